@@ -1,0 +1,78 @@
+#pragma once
+// The Backend interface: everything the diffusion loop and sessions need from a device, nothing about how it is
+// computed. Implementations: backend/cpu (f32, the oracle) and backend/cuda (bf16 kernels).
+//
+// Positions are implicit: prefill appends at [kv_len(), kv_len() + n); denoise places the canvas at
+// [kv_len(), kv_len() + L) without writing the cache (the canvas occupies the positions it will have once committed).
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+
+namespace dg {
+
+// Statistics of one canvas row at temperature T, computed over z = logits / T (logits already softcapped).
+struct RowStats {
+  int32_t argmax = 0;      // lowest index among equal maxima
+  float max_z = 0;         // max_i z_i
+  float logsumexp = 0;     // log sum_i exp(z_i)
+  float entropy = 0;       // -sum_i p_i log p_i in nats, p = softmax(z)
+};
+
+enum class SelfCondition : uint8_t {
+  None,             // no SC signal (HF's first step): x = RMSNorm_noscale(embed)
+  PreviousStep,     // softmax of the tempered logits kept from the previous denoise call on this backend
+  External,         // softmax of DenoiseRequest::sc_logits (already tempered, [L, V])
+  CanvasEmbedding,  // seed's first-step SC seed: the SC MLP reads the canvas's own scaled embedding
+};
+
+struct DenoiseRequest {
+  std::span<const int32_t> canvas;
+  float temperature = 1.0f;  // this step's T: row stats use logits/T and logits/T is kept for PreviousStep
+  SelfCondition self_condition = SelfCondition::None;
+  std::span<const float> sc_logits;  // for External only
+  bool want_logits = false;          // also return the raw softcapped logits [L, V]
+};
+
+struct DenoiseResult {
+  std::vector<RowStats> rows;  // one per canvas position
+  std::vector<float> logits;   // [L, V] softcapped (not tempered) when want_logits; else empty
+};
+
+// The cached K/V of one layer as f32, for parity tests and debugging. Positions [first_pos, first_pos + n).
+struct KvSnapshot {
+  int64_t first_pos = 0;
+  int64_t n = 0;
+  int n_kv_heads = 0, head_dim = 0;
+  std::vector<float> k, v;  // [n, n_kv_heads, head_dim]
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual const ModelConfig& config() const = 0;
+
+  // Encoder pass (causal, sliding window W incl. self) over ids; appends their K/V. Used for the prompt and to
+  // commit a finished canvas.
+  virtual void prefill(std::span<const int32_t> ids) = 0;
+  // Decoder pass (bidirectional) over the canvas; the cache is read-only. Sliding layers see the last W-1 cached
+  // positions plus the whole canvas; full layers see everything.
+  virtual void denoise(const DenoiseRequest& request, DenoiseResult& result) = 0;
+
+  virtual int64_t kv_len() const = 0;
+  // Whether the cache can be cut back to n tokens without recomputation (a sliding ring may have dropped them).
+  virtual bool can_truncate(int64_t n) const = 0;
+  virtual void truncate(int64_t n) = 0;  // throws dg::Error when !can_truncate(n)
+  // Position-ordered hash of the live KV bytes (what attention can still read). Equal within one backend type.
+  virtual uint64_t kv_fingerprint() const = 0;
+  virtual KvSnapshot kv_snapshot(int layer) const = 0;
+};
+
+// Computes RowStats for one row of softcapped logits at temperature T (the CPU definition every backend matches).
+RowStats compute_row_stats(const float* logits, int vocab, float temperature);
+
+}  // namespace dg
