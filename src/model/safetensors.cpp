@@ -24,7 +24,7 @@ std::string TensorView::shape_str() const {
 }
 
 std::vector<float> TensorView::to_f32() const {
-  std::vector<float> out(size_t(numel()));
+  std::vector<float> out(static_cast<size_t>(numel()));
   convert_to_f32(dtype, data, out.data(), out.size());
   return out;
 }
@@ -81,13 +81,13 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : file_(std::make_uniq
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
       bad("'data_offsets' must be [begin, end] with non-negative integers");
     uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
-    if (begin > end) bad(std::format("data_offsets [{}, {}] are reversed", begin, end));
+    if (begin > end) bad(dg::format("data_offsets [{}, {}] are reversed", begin, end));
     if (end > data_size)
-      bad(std::format("data_offsets [{}, {}] run past the data section ({} bytes); the file is truncated", begin, end,
+      bad(dg::format("data_offsets [{}, {}] run past the data section ({} bytes); the file is truncated", begin, end,
                       data_size));
     uint64_t expect = uint64_t(numel) * dtype_size(t.dtype);
     if (end - begin != expect)
-      bad(std::format("{} x {} needs {} bytes but data_offsets [{}, {}] hold {}", dt, t.shape_str(), expect, begin,
+      bad(dg::format("{} x {} needs {} bytes but data_offsets [{}, {}] hold {}", dt, t.shape_str(), expect, begin,
                       end, end - begin));
     t.data = data + begin;
     t.nbytes = size_t(end - begin);

@@ -101,7 +101,7 @@ class CpuBackend final : public Backend {
   void prefill(std::span<const int32_t> ids) override {
     if (ids.empty()) return;
     const int64_t T = int64_t(ids.size());
-    std::vector<int64_t> pos(size_t(T));
+    std::vector<int64_t> pos(static_cast<size_t>(T));
     for (int64_t t = 0; t < T; ++t) pos[size_t(t)] = kv_len_ + t;
     std::vector<float> h = embed(ids);
     for (int l = 0; l < cfg_.num_layers; ++l) layer(l, Pass::Encoder, h.data(), T, pos.data());
@@ -113,7 +113,7 @@ class CpuBackend final : public Backend {
     if (L == 0) fail("denoise: empty canvas");
     if (L > cfg_.canvas_length) fail("denoise: canvas of {} tokens exceeds canvas_length {}", L, cfg_.canvas_length);
     if (!(req.temperature > 0)) fail("denoise: temperature must be > 0, got {}", req.temperature);
-    std::vector<int64_t> pos(size_t(L));
+    std::vector<int64_t> pos(static_cast<size_t>(L));
     for (int64_t t = 0; t < L; ++t) pos[size_t(t)] = kv_len_ + t;
     std::vector<float> e = embed(req.canvas);
 
@@ -290,7 +290,7 @@ class CpuBackend final : public Backend {
     // Group tokens by expert; expert outputs land in slot (t, j) and are summed per token in ascending expert id
     // order afterwards (HF's index_add_ order), independent of how the work was split.
     std::vector<float> slots(size_t(T * K * H));
-    std::vector<std::vector<int64_t>> members(size_t(E));  // entries t*K + j
+    std::vector<std::vector<int64_t>> members(static_cast<size_t>(E));  // entries t*K + j
     for (int64_t t = 0; t < T; ++t)
       for (int j = 0; j < K; ++j) members[size_t(idx[size_t(t * K + j)])].push_back(t * K + j);
     std::vector<float> xin, y;
@@ -312,7 +312,7 @@ class CpuBackend final : public Backend {
       for (int64_t r = 0; r < n; ++r) std::copy_n(y.data() + r * H, H, slots.data() + m[size_t(r)] * H);
     }
     std::fill(out, out + T * H, 0.0f);
-    std::vector<int> order(size_t(K));
+    std::vector<int> order(static_cast<size_t>(K));
     for (int64_t t = 0; t < T; ++t) {
       for (int j = 0; j < K; ++j) order[size_t(j)] = j;
       std::sort(order.begin(), order.end(),
@@ -331,13 +331,13 @@ class CpuBackend final : public Backend {
     const LayerVectors& lv = vectors_[size_t(l)];
     const int64_t H = cfg_.hidden_size, N = T * H;
     const float eps = cfg_.rms_norm_eps;
-    std::vector<float> x(size_t(N)), a(size_t(N));
+    std::vector<float> x(static_cast<size_t>(N)), a(static_cast<size_t>(N));
     cpu::rms_norm(h, T, H, lv.input_norm.data(), eps, x.data());
     attention_block(l, pass, x.data(), T, pos, a.data());
     cpu::rms_norm(a.data(), T, H, lv.post_attn_norm.data(), eps, a.data());
     for (int64_t i = 0; i < N; ++i) h[i] += a[size_t(i)];
 
-    std::vector<float> m1(size_t(N)), m2(size_t(N));
+    std::vector<float> m1(static_cast<size_t>(N)), m2(static_cast<size_t>(N));
     cpu::rms_norm(h, T, H, lv.pre_ff_norm.data(), eps, x.data());
     gated_mlp(x.data(), T, *lw.mlp_gate, *lw.mlp_up, *lw.mlp_down, m1.data());
     cpu::rms_norm(m1.data(), T, H, lv.post_ff_norm_1.data(), eps, m1.data());

@@ -39,7 +39,7 @@ static inline float dot(const float* a, const float* b, int64_t n) {
 void matmul_wt(ThreadPool& pool, const float* x, int64_t T, const WeightMatrix& W, float* y) {
   const int64_t in = W.cols, out = W.rows;
   pool.parallel_for(size_t(out), [&](size_t o0, size_t o1) {
-    std::vector<float> row(size_t(in));
+    std::vector<float> row(static_cast<size_t>(in));
     for (size_t o = o0; o < o1; ++o) {
       W.row_to_f32(int64_t(o), row.data());
       for (int64_t t = 0; t < T; ++t) y[t * out + int64_t(o)] = dot(x + t * in, row.data(), in);
@@ -116,11 +116,11 @@ void softcap(float* x, int64_t n, float cap) {
 void route_top_k(const float* logits, int n_experts, int k, const float* per_expert_scale, int32_t* idx,
                  float* weight) {
   float mx = *std::max_element(logits, logits + n_experts);
-  std::vector<float> p(size_t(n_experts));
+  std::vector<float> p(static_cast<size_t>(n_experts));
   double sum = 0;
   for (int e = 0; e < n_experts; ++e) sum += p[size_t(e)] = std::exp(logits[e] - mx);
   for (auto& v : p) v = float(v / sum);
-  std::vector<int32_t> order(size_t(n_experts));
+  std::vector<int32_t> order(static_cast<size_t>(n_experts));
   std::iota(order.begin(), order.end(), 0);
   std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
     return p[size_t(a)] > p[size_t(b)] || (p[size_t(a)] == p[size_t(b)] && a < b);
@@ -137,7 +137,7 @@ void attention(ThreadPool& pool, const float* q, int64_t T, int nh, const float*
                int nkv, int D, const AttentionMask& mask, float* out) {
   const int group = nh / nkv;
   pool.parallel_for(size_t(T * nh), [&](size_t i0, size_t i1) {
-    std::vector<float> scores(size_t(nk));
+    std::vector<float> scores(static_cast<size_t>(nk));
     for (size_t i = i0; i < i1; ++i) {
       int64_t t = int64_t(i) / nh;
       int h = int(int64_t(i) % nh), kvh = h / group;
