@@ -100,7 +100,7 @@ TEST(BlockLoop, ReplaysTheHfStepContractExactly) {
     for (int k = 1; k <= N; ++k, ++call) {
       const auto& c = be.calls[call];
       ASSERT_EQ(c.canvas, canvas) << "block " << block << " step " << k;
-      EXPECT_EQ(c.temperature, float(schedule_temperature(N - k + 1, N, 0.4, 0.8)));
+      EXPECT_EQ(c.temperature, schedule_temperature(N - k + 1, N, 0.4, 0.8));
       EXPECT_EQ(c.sc, k == 1 ? SelfCondition::None : SelfCondition::PreviousStep);
       EXPECT_FALSE(c.want_logits);
       DenoiseRequest req;

@@ -83,6 +83,15 @@ TEST(GenerationParity, MatchesPatchedHfTokenForToken) {
     ASSERT_EQ(lm->config.canvas_length, fx.at("canvas_length").get<int>());
     for (const json& c : fx.at("cases")) {
       SCOPED_TRACE(c.at("name").get<std::string>());
+      // The float32 divisor HF applied at each step of the first canvas: pins the schedule's rounding separately
+      // from the forward pass, so a schedule bug cannot hide behind a token mismatch.
+      const json& st = c.at("settings");
+      const int N = st.at("max_denoising_steps").get<int>();
+      const auto temps = c.at("temperatures").get<std::vector<double>>();
+      for (size_t k = 0; k < temps.size(); ++k)
+        EXPECT_EQ(schedule_temperature(N - int(k), N, st.at("t_min").get<double>(), st.at("t_max").get<double>()),
+                  float(temps[k]))
+            << "step " << k + 1;
       CaseRun got = run_case(*lm, c, 0);
       EXPECT_EQ(got.ids, c.at("expected_ids").get<std::vector<int32_t>>());
       EXPECT_EQ(got.steps, c.at("steps_per_canvas").get<std::vector<int>>());

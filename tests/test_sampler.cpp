@@ -82,12 +82,14 @@ TEST(Rng, OpenUnitIntervalNeverHitsTheEnds) {
   }
 }
 
-TEST(Temperature, CountsDownLikeHfInDouble) {
-  EXPECT_EQ(schedule_temperature(48, 48, 0.4, 0.8), 0.8);
-  // Bit patterns of float(python: 0.4 + ((0.8 - 0.4) * (cur / 48))).
-  EXPECT_EQ(float_bits(float(schedule_temperature(1, 48, 0.4, 0.8))), 1053888785u);
-  EXPECT_EQ(float_bits(float(schedule_temperature(47, 48, 0.4, 0.8))), 1061857963u);
-  EXPECT_NEAR(schedule_temperature(1, 48, 0.4, 0.8), 0.4083333333333334, 1e-15);
+TEST(Temperature, CountsDownWithHfsFloat32TensorRounding) {
+  // Bit patterns of HF's T with cur_step an int32 tensor: f32(f32(0.4) + f32(f32(0.8 - 0.4) * f32(cur / 48))),
+  // computed in python with struct-packed float32 rounding.
+  EXPECT_EQ(float_bits(schedule_temperature(48, 48, 0.4, 0.8)), 1061997773u);  // 0.8f
+  EXPECT_EQ(float_bits(schedule_temperature(47, 48, 0.4, 0.8)), 1061857963u);
+  EXPECT_EQ(float_bits(schedule_temperature(1, 48, 0.4, 0.8)), 1053888785u);   // 0.408333f, never 0.4
+  // cur = 2 is where rounding the all-double formula once would give 1054168405 instead.
+  EXPECT_EQ(float_bits(schedule_temperature(2, 48, 0.4, 0.8)), 1054168406u);
 }
 
 TEST(Temperature, DecimalDoubleRecoversTheJsonLiteral) {

@@ -59,7 +59,7 @@ BlockOutcome run_block(Backend& backend, int L, Rng& rng, const GenerationOption
       return out;
     }
     const int cur = N - k + 1;
-    const float T = float(schedule_temperature(cur, N, o.t_min, o.t_max));
+    const float T = schedule_temperature(cur, N, o.t_min, o.t_max);
     req.canvas = canvas;
     req.temperature = T;
     req.self_condition = k > 1 ? SelfCondition::PreviousStep

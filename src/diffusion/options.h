@@ -57,8 +57,8 @@ const char* denoiser_name(Denoiser d);
 Denoiser parse_denoiser(const std::string& name);  // "seed"/"argmax" or "hf"/"categorical"
 
 // The double a decimal literal in generation_config.json denotes, recovered from the float GenerationConfig stores
-// (shortest round-trip digits, re-parsed as double): HF computes T = t_min + ... in python doubles, so 0.4f would
-// shift T by an ulp and break bit parity.
+// (shortest round-trip digits, re-parsed as double): HF computes t_max - t_min in python doubles, so 0.8f - 0.4f
+// would shift T by an ulp and break bit parity.
 double decimal_double(float f);
 
 }  // namespace dg::diffusion

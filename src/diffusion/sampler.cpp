@@ -20,9 +20,12 @@ const char* stop_reason_name(StopReason r) {
   return "?";
 }
 
-double schedule_temperature(int cur, int max_steps, double t_min, double t_max) {
-  // Same association as HF: t_min + ((t_max - t_min) * (cur / N)).
-  return t_min + (t_max - t_min) * (double(cur) / double(max_steps));
+float schedule_temperature(int cur, int max_steps, double t_min, double t_max) {
+  // Each float32 op is done in double and rounded: exact for + - * / of floats (53 >= 2*24 + 2 bits), and immune
+  // to FMA contraction, which would skip the intermediate roundings.
+  const float q = float(double(cur) / double(max_steps));
+  const float m = float(double(float(t_max - t_min)) * double(q));
+  return float(double(float(t_min)) + double(m));
 }
 
 int entropy_bound_accept(std::span<const RowStats> rows, double bound, std::span<uint8_t> mask) {

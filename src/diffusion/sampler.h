@@ -15,9 +15,12 @@ namespace dg::diffusion {
 enum class StopReason : uint8_t { None, Confident, Plateau, EntropyOnly, MaxSteps, Cancelled };
 const char* stop_reason_name(StopReason r);
 
-// T for the step with `cur` steps remaining (cur = max_steps .. 1), in double exactly as HF's python computes it;
-// the caller narrows to float once (torch divides a float32 tensor by a python float as float32).
-double schedule_temperature(int cur, int max_steps, double t_min, double t_max);
+// T for the step with `cur` steps remaining (cur = max_steps .. 1), rounded exactly as HF computes it. HF's
+// _denoising_step turns cur_step into an int32 tensor before LinearTemperatureScheduleLogitsProcessor evaluates
+// t_min + ((t_max - t_min) * (cur_step / N)), so every operation after the python-double `t_max - t_min` is a
+// float32 tensor op: q = f32(cur / N), m = f32(f32(t_max - t_min) * q), T = f32(f32(t_min) + m). Rounding the
+// all-double formula once instead differs in the last bit for 12 of the 48 default steps.
+float schedule_temperature(int cur, int max_steps, double t_min, double t_max);
 
 // HF's accept rule: positions sorted by ascending entropy (ties by position), position at rank r accepted iff
 // cumsum_r - H_r <= bound. Mirrors torch on CPU: the cumsum accumulates in double and is stored as float, the
