@@ -8,6 +8,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
+#include "util/error.h"
 #include "util/mmap_file.h"
 
 namespace dg {
@@ -138,6 +139,62 @@ TEST_P(HfParity, PrefillDenoiseSelfConditionCommit) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity, ::testing::ValuesIn(kFixtures),
                          [](const auto& info) { return std::string(info.param).replace(4, 1, "_"); });
+
+}  // namespace
+}  // namespace dg
+
+namespace dg {
+namespace {
+
+TEST(CpuBackend, BitIdenticalAcrossThreadCountsAndTruncateRestoresKv) {
+  auto model = load_model(std::string(DIFFGEMMA_FIXTURES_DIR) + "/tiny-b");
+  Reference ref = load_reference(model->dir);
+  auto prompt = ids_of(ref.cased["prompt_ids"]), canvas = ids_of(ref.cased["canvas1"]);
+  std::vector<std::vector<float>> logits;
+  std::vector<uint64_t> prints;
+  for (int threads : {1, 3}) {
+    auto be = make_cpu_backend(*model, threads);
+    be->prefill(prompt);
+    uint64_t after_prompt = be->kv_fingerprint();
+    be->prefill(canvas);
+    EXPECT_NE(be->kv_fingerprint(), after_prompt);
+    ASSERT_TRUE(be->can_truncate(int64_t(prompt.size())));
+    be->truncate(int64_t(prompt.size()));
+    EXPECT_EQ(be->kv_fingerprint(), after_prompt);
+    EXPECT_FALSE(be->can_truncate(be->kv_len() + 1));
+    EXPECT_THROW(be->truncate(be->kv_len() + 1), Error);
+    DenoiseRequest req;
+    req.canvas = canvas;
+    req.want_logits = true;
+    req.temperature = 0.8f;
+    req.self_condition = SelfCondition::CanvasEmbedding;
+    DenoiseResult r1, r2;
+    be->denoise(req, r1);
+    req.self_condition = SelfCondition::PreviousStep;
+    be->denoise(req, r2);
+    logits.push_back(r2.logits);
+    prints.push_back(after_prompt);
+  }
+  EXPECT_EQ(prints[0], prints[1]);
+  ASSERT_EQ(logits[0].size(), logits[1].size());
+  EXPECT_EQ(0, std::memcmp(logits[0].data(), logits[1].data(), logits[0].size() * 4));
+}
+
+TEST(CpuBackend, RejectsBadRequests) {
+  auto model = load_model(std::string(DIFFGEMMA_FIXTURES_DIR) + "/tiny-a");
+  auto be = make_cpu_backend(*model, 1);
+  std::vector<int32_t> bad = {2, 512};
+  EXPECT_THROW(be->prefill(bad), Error);
+  std::vector<int32_t> canvas(17, 5);  // canvas_length is 16
+  DenoiseRequest req;
+  req.canvas = canvas;
+  DenoiseResult out;
+  EXPECT_THROW(be->denoise(req, out), Error);
+  canvas.resize(4);
+  req.canvas = canvas;
+  req.self_condition = SelfCondition::PreviousStep;  // no previous step yet
+  EXPECT_THROW(be->denoise(req, out), Error);
+}
 
 }  // namespace
 }  // namespace dg
