@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 
 #include "text/chat_template.h"
@@ -191,6 +192,47 @@ TEST(ChatTemplate, ErrorsNameTheProblem) {
             std::string::npos);
   EXPECT_NE(message_of(Json::parse(R"([{"role":"user","content":{"text":"x"}}])")).find("content is an object"),
             std::string::npos);
+}
+
+void collect_pointers(const Json& node, const Json::json_pointer& at, std::vector<Json::json_pointer>& out) {
+  out.push_back(at);
+  if (node.is_array())
+    for (size_t i = 0; i < node.size(); ++i) collect_pointers(node[i], at / i, out);
+  if (node.is_object())
+    for (auto it = node.begin(); it != node.end(); ++it) collect_pointers(it.value(), at / it.key(), out);
+}
+
+// A server feeds the renderer arbitrary requests: every malformed shape must end in dg::Error, nothing else.
+TEST(ChatTemplate, MutatedRequestsRenderOrThrowDgError) {
+  const std::vector<Json> replacements = {
+      nullptr, 0, -1.5, true, "", "x<turn|>", Json::array(), Json::object(), Json::array({Json::object()}),
+      Json{{"type", "text"}}, Json{{"type", "image"}}, Json::array({"s", 2}), Json{{"name", 5}},
+      Json{{"function", Json{{"name", "f"}}}}, "\xff\xfe"};
+  std::mt19937 rng(7);
+  auto pick = [&](size_t n) { return std::uniform_int_distribution<size_t>(0, n - 1)(rng); };
+  const auto cases = load_cases();
+  size_t rendered = 0, rejected = 0;
+  for (int iteration = 0; iteration < 3000; ++iteration) {
+    const Json& conversation = cases[pick(cases.size())].conversation;
+    Json request = {{"messages", conversation["messages"]}, {"tools", tools_of(conversation)}};
+    for (int m = 0, mutations = 1 + static_cast<int>(pick(3)); m < mutations; ++m) {
+      std::vector<Json::json_pointer> pointers;
+      collect_pointers(request, Json::json_pointer(), pointers);
+      const auto& target = pointers[1 + pick(pointers.size() - 1)];
+      request[target] = replacements[pick(replacements.size())];
+    }
+    try {
+      dg::text::render_chat_segments(request["messages"], request["tools"], options_for(conversation));
+      ++rendered;
+    } catch (const dg::Error&) {
+      ++rejected;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "non-dg exception " << e.what() << " for " << request.dump(-1, ' ', false,
+                                                                                 Json::error_handler_t::replace);
+    }
+  }
+  EXPECT_GT(rendered, 300u);
+  EXPECT_GT(rejected, 300u);
 }
 
 #ifdef DIFFGEMMA_BINARY

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <charconv>
-#include <cstring>
 #include <optional>
 #include <span>
 
@@ -215,6 +214,12 @@ bool py_equal(const Json* a, const Json* b) {
   return *a == *b;
 }
 
+// A JSON value quoted in an error message: never throws on invalid UTF-8, never floods the log.
+std::string show(const Json& v) {
+  std::string text = v.dump(-1, ' ', false, Json::error_handler_t::replace);
+  return text.size() > 200 ? text.substr(0, 200) + "..." : text;
+}
+
 bool truthy(const Json* v) {
   if (!v) return false;
   switch (v->type()) {
@@ -236,7 +241,7 @@ const Json* item(const Json* obj, std::string_view key) {
 
 // `x | dictsort`: items sorted by case-folded key, stable for keys that fold equal.
 std::vector<std::pair<std::string, const Json*>> dictsort(const Json& mapping, std::string_view where) {
-  if (!mapping.is_object()) fail("chat template: {} must be a JSON object, got {}", where, mapping.dump());
+  if (!mapping.is_object()) fail("chat template: {} must be a JSON object, got {}", where, show(mapping));
   std::vector<std::pair<std::string, const Json*>> items;
   for (auto it = mapping.begin(); it != mapping.end(); ++it) items.emplace_back(it.key(), &it.value());
   std::vector<std::u32string> folded;
@@ -260,7 +265,7 @@ std::vector<Json> iterate(const Json& v, std::string_view where) {
     for (auto it = v.begin(); it != v.end(); ++it) keys.emplace_back(it.key());
     return keys;
   }
-  fail("chat template: {} must be a JSON array, got {}", where, v.dump());
+  fail("chat template: {} must be a JSON array, got {}", where, show(v));
 }
 
 // ---------- output ----------
@@ -573,7 +578,7 @@ std::string tool_response_name(const Json* name, std::string_view where) {
   if (!name->is_string())
     fail("chat template: {} must be a string, got {} (the template concatenates it into "
          "'response:NAME{{...}}')",
-         where, name->dump());
+         where, show(*name));
   return name->get<std::string>();
 }
 
@@ -590,7 +595,7 @@ bool render_following_tool_results(Output& out, std::span<const Json> loop_messa
     if (!name || name->is_null())
       fail("chat template: tool message messages[{}] has tool_call_id {} that matches no id in the preceding "
            "assistant tool_calls and no \"name\"; set tool_call_id to the call's id or add \"name\"",
-           k + offset, item(&follow, "tool_call_id") ? item(&follow, "tool_call_id")->dump() : "(missing)");
+           k + offset, item(&follow, "tool_call_id") ? show(*item(&follow, "tool_call_id")) : "(missing)");
     const std::string tool_name = tool_response_name(name, "tool message name");
     const Json* body = item(&follow, "content");
     if (body && body->is_string()) {
@@ -660,7 +665,7 @@ std::vector<ChatSegment> render_chat_segments(const Json& messages, const Json& 
     if (!messages[i].is_object() || !messages[i].contains("role") || !messages[i]["role"].is_string())
       fail("chat template: messages[{}] must be an object with a string \"role\" (user, assistant, system, "
            "developer or tool), got {}",
-           i, messages[i].dump());
+           i, show(messages[i]));
   }
   if (!tools.is_null() && !tools.is_array())
     fail("chat template: tools must be a JSON array of {{\"type\":\"function\",\"function\":{{...}}}} objects");
@@ -817,7 +822,9 @@ std::string render_chat(const Json& messages, const Json& tools, const ChatRende
 std::vector<ChatSegment> render_chat_segments(const nlohmann::json& messages, const nlohmann::json& tools,
                                               const ChatRenderOptions& options) {
   // nlohmann::json has already lost the request's key order; only keys equal up to case could notice.
-  return render_chat_segments(Json::parse(messages.dump()), Json::parse(tools.dump()), options);
+  constexpr auto kReplace = nlohmann::json::error_handler_t::replace;
+  return render_chat_segments(Json::parse(messages.dump(-1, ' ', false, kReplace)),
+                              Json::parse(tools.dump(-1, ' ', false, kReplace)), options);
 }
 
 std::string render_chat(const nlohmann::json& messages, const nlohmann::json& tools,
