@@ -16,8 +16,19 @@ class TokenStringIndex {
  public:
   void reset(size_t expected_entries);
   // Returns the existing id if `text` is already present (the caller decides whether that is an error).
-  TokenId insert(std::string_view text, TokenId id, const std::string& arena, const std::vector<uint32_t>& offsets);
-  TokenId find(std::string_view text, const std::string& arena, const std::vector<uint32_t>& offsets) const;
+  TokenId insert(std::string_view text, TokenId id, const std::string& arena, const std::vector<uint32_t>& offsets) {
+    return insert_hashed(text, hash(text), id, arena, offsets);
+  }
+  TokenId insert_hashed(std::string_view text, size_t hash, TokenId id, const std::string& arena,
+                        const std::vector<uint32_t>& offsets);
+  TokenId find(std::string_view text, const std::string& arena, const std::vector<uint32_t>& offsets) const {
+    return find_hashed(text, hash(text), arena, offsets);
+  }
+  // Split lookup so the loader can hash and prefetch a batch of keys before resolving them.
+  static size_t hash(std::string_view text);
+  void prefetch(size_t hash) const { __builtin_prefetch(&slots_[hash & mask_]); }
+  TokenId find_hashed(std::string_view text, size_t hash, const std::string& arena,
+                      const std::vector<uint32_t>& offsets) const;
 
  private:
   // Loading resolves ~1.5M merge strings; keeping the first bytes of the token in the slot makes a lookup one
@@ -45,6 +56,7 @@ class MergeTable {
   void reset(size_t expected_entries);
   // A later duplicate pair overwrites the earlier one, as HF's HashMap collect does.
   void insert_or_assign(TokenId left, TokenId right, MergeResult result);
+  void prefetch(TokenId left, TokenId right) const { __builtin_prefetch(&entries_[hash(pack(left, right)) & mask_]); }
   const MergeResult* find(TokenId left, TokenId right) const {
     uint64_t key = pack(left, right);
     for (size_t slot = hash(key) & mask_;; slot = (slot + 1) & mask_) {

