@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The test suite: installs dependencies, builds everything (CUDA code included when nvcc exists), runs every CPU test
+# (GPU tests skip themselves visibly without a GPU), then re-runs the input-validation and parser tests under
+# AddressSanitizer + UBSan.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JOBS=${JOBS:-$(nproc)}
+tools/install_deps.sh
+tools/build.sh
+(cd build && ctest --output-on-failure -j"$JOBS" --timeout 900)
+
+# Sanitizer pass over everything that parses untrusted input (files, requests, model output).
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DDIFFGEMMA_SANITIZE=ON -DDIFFGEMMA_CUDA=OFF >/dev/null
+cmake --build build-asan -j"$JOBS" --target diffgemma_tests
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ./build-asan/diffgemma_tests \
+  --gtest_filter='Safetensors*:Checkpoint*:Config*:OutputParser*:Chat*:Tokenizer*:*Malformed*:*Fuzz*'
