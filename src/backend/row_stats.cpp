@@ -15,7 +15,7 @@ RowStats compute_row_stats(const float* logits, int vocab, float temperature) {
   // Double accumulation: entropy drives the accept rule, whose threshold comparisons should not hinge on f32 order.
   double sum = 0, weighted = 0;
   for (int i = 0; i < vocab; ++i) {
-    double d = double(logits[i] / temperature) - best;
+    float d = logits[i] / temperature - best;  // exact in f32: both terms are f32 and d <= 0 is well scaled
     double e = std::exp(d);
     sum += e;
     weighted += e * d;

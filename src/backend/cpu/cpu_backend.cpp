@@ -147,15 +147,17 @@ class CpuBackend final : public Backend {
     cpu::rms_norm(e.data(), L, H, final_norm_.data(), cfg_.rms_norm_eps, e.data());
     std::vector<float> logits(size_t(L * V));
     cpu::matmul_wt(pool_, e.data(), L, WeightMatrix::of(*w_.embed), logits.data());
-    cpu::softcap(logits.data(), L * V, cfg_.final_logit_softcapping);
-
     out.rows.resize(size_t(L));
-    pool_.parallel_for(size_t(L), [&](size_t r0, size_t r1) {
-      for (size_t r = r0; r < r1; ++r)
-        out.rows[r] = compute_row_stats(logits.data() + r * size_t(V), int(V), req.temperature);
-    });
     prev_tempered_.resize(logits.size());
-    for (size_t i = 0; i < logits.size(); ++i) prev_tempered_[i] = logits[i] / req.temperature;
+    pool_.parallel_for(size_t(L), [&](size_t r0, size_t r1) {
+      for (size_t r = r0; r < r1; ++r) {
+        float* row = logits.data() + r * size_t(V);
+        cpu::softcap(row, V, cfg_.final_logit_softcapping);
+        out.rows[r] = compute_row_stats(row, int(V), req.temperature);
+        float* tempered = prev_tempered_.data() + r * size_t(V);
+        for (int64_t i = 0; i < V; ++i) tempered[i] = row[i] / req.temperature;
+      }
+    });
     prev_tempered_rows_ = L;
     if (req.want_logits)
       out.logits = std::move(logits);
