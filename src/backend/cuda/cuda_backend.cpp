@@ -1,0 +1,537 @@
+// CUDA backend: the layer body of backend/cpu/cpu_backend.cpp, step for step, on the GPU.
+#include "backend/cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/gemm.h"
+#include "util/dtype.h"
+#include "util/error.h"
+
+namespace dg {
+namespace {
+
+using cuda::bf16;
+using cuda::Dt;
+
+// Bump allocator over one cudaMalloc; a dry pass (base == nullptr) only measures, so the whole footprint is known
+// and checked against free memory before anything is allocated.
+struct Arena {
+  char* base = nullptr;
+  size_t used = 0;
+  template <class T>
+  T* take(size_t n) {
+    size_t off = (used + 255) / 256 * 256;
+    used = off + n * sizeof(T);
+    return base ? reinterpret_cast<T*>(base + off) : nullptr;
+  }
+};
+
+struct DevLayer {
+  LayerShape shape;
+  int nqkv = 0;
+  bf16 *wqkv, *wo, *dense_gu, *dense_down, *exp_gu, *exp_down;
+  float *q_norm, *k_norm, *input_norm, *post_attn, *pre_ff, *post_ff1, *pre_ff2, *post_ff2, *post_ff;
+  float *router_w, *router_scale, *pes, *inv_freq;
+  float enc_scalar = 1, dec_scalar = 1;
+  bf16 *kc, *vc;
+  int64_t cap = 0;
+};
+
+struct Scratch {
+  int32_t* ids;
+  float *h, *xr, *rl, *wk, *m2, *y, *sig, *logits;
+  bf16 *x, *x1, *xe, *qkv, *q, *kn, *vn, *att, *a, *gu, *actd, *m1, *xs, *acte, *probs;
+  int32_t *idx, *offsets, *sorted_pos;
+  cuda::DeviceRowStats* stats;
+};
+
+enum class Pass { Encoder, Decoder };
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const LoadedModel* model, const ModelConfig& cfg, uint64_t seed, const CudaOptions& opt)
+      : model_(model), cfg_(cfg), opt_(opt) {
+    CUDA_CHECK(cudaSetDevice(opt.device));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    tm_ = std::max(opt.prefill_chunk, cfg_.canvas_length);
+    if (opt.sliding_rewind < 0) fail("CudaOptions::sliding_rewind must be >= 0");
+    if (cfg_.hidden_size % 8 || cfg_.moe_intermediate_size % 8 || cfg_.intermediate_size % 8)
+      fail("CUDA backend: hidden/intermediate sizes must be multiples of 8 (got {}, {}, {})", cfg_.hidden_size,
+           cfg_.intermediate_size, cfg_.moe_intermediate_size);
+    for (auto& ls : cfg_.layers)
+      if (ls.head_dim % 16) fail("CUDA backend: head_dim {} is not a multiple of 16", ls.head_dim);
+
+    Arena dry;
+    layout(dry);
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    const size_t need = dry.used + (size_t(96) << 20);  // + cuBLASLt workspace and driver slack
+    if (need > free_b)
+      fail("CUDA backend needs {:.2f} GiB of GPU memory (weights, KV cache for {} positions, scratch) but only "
+           "{:.2f} of {:.2f} GiB are free; lower --max-context / prefill chunk or free the GPU",
+           double(need) / (1 << 30), opt.max_context, double(free_b) / (1 << 30), double(total_b) / (1 << 30));
+    CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
+    layout(arena_);
+    gemm_ = std::make_unique<cuda::Gemm>();
+    CUDA_CHECK(cudaMallocHost(&host_ids_, size_t(tm_) * sizeof(int32_t)));
+    CUDA_CHECK(cudaMallocHost(&host_stats_, size_t(cfg_.canvas_length) * sizeof(cuda::DeviceRowStats)));
+    if (model_)
+      upload(*model_);
+    else
+      synthesize(seed);
+  }
+
+  ~CudaBackend() override {
+    cudaStreamSynchronize(stream_);
+    gemm_.reset();
+    cudaFree(arena_.base);
+    cudaFreeHost(host_ids_);
+    cudaFreeHost(host_stats_);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return "cuda"; }
+  const ModelConfig& config() const override { return cfg_; }
+  int64_t kv_len() const override { return kv_len_; }
+
+  bool can_truncate(int64_t n) const override {
+    if (n < 0 || n > kv_len_) return false;
+    const int64_t W1 = cfg_.sliding_window - 1;
+    for (auto& L : layers_) {
+      if (L.shape.kind != LayerKind::Sliding) continue;
+      const int64_t oldest = std::max<int64_t>(0, kv_len_ - L.cap), needed = std::max<int64_t>(0, n - W1);
+      if (n > 0 && needed < oldest) return false;
+    }
+    return true;
+  }
+  void truncate(int64_t n) override {
+    if (!can_truncate(n))
+      fail("cannot truncate the CUDA KV cache to {} tokens: it holds {}, and the sliding rings keep only {} rewind "
+           "positions", n, kv_len_, opt_.sliding_rewind);
+    kv_len_ = n;
+  }
+
+  KvSnapshot kv_snapshot(int layer) const override {
+    if (layer < 0 || layer >= cfg_.num_layers) fail("kv_snapshot: layer {} out of range [0, {})", layer, cfg_.num_layers);
+    const DevLayer& L = layers_[size_t(layer)];
+    KvSnapshot s;
+    s.n_kv_heads = L.shape.n_kv_heads;
+    s.head_dim = L.shape.head_dim;
+    s.first_pos = L.shape.kind == LayerKind::Sliding ? std::max<int64_t>(0, kv_len_ - (cfg_.sliding_window - 1)) : 0;
+    s.n = kv_len_ - s.first_pos;
+    const size_t row = size_t(s.n_kv_heads) * s.head_dim;
+    std::vector<uint16_t> kb(size_t(L.cap) * row), vb(kb.size());
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CUDA_CHECK(cudaMemcpy(kb.data(), L.kc, kb.size() * 2, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(vb.data(), L.vc, vb.size() * 2, cudaMemcpyDeviceToHost));
+    s.k.resize(size_t(s.n) * row);
+    s.v.resize(s.k.size());
+    for (int64_t p = 0; p < s.n; ++p) {
+      const size_t slot = size_t((s.first_pos + p) % L.cap);
+      for (size_t i = 0; i < row; ++i) {
+        s.k[size_t(p) * row + i] = bf16_to_f32(kb[slot * row + i]);
+        s.v[size_t(p) * row + i] = bf16_to_f32(vb[slot * row + i]);
+      }
+    }
+    return s;
+  }
+
+  uint64_t kv_fingerprint() const override {
+    uint64_t h = 1469598103934665603ull;
+    auto mix = [&](const void* p, size_t n) {
+      auto* b = static_cast<const uint8_t*>(p);
+      for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+    };
+    mix(&kv_len_, sizeof kv_len_);
+    for (int l = 0; l < cfg_.num_layers; ++l) {
+      KvSnapshot s = kv_snapshot(l);
+      mix(&s.first_pos, sizeof s.first_pos);
+      mix(s.k.data(), s.k.size() * 4);
+      mix(s.v.data(), s.v.size() * 4);
+    }
+    return h;
+  }
+
+  void prefill(std::span<const int32_t> ids) override {
+    if (ids.empty()) return;
+    if (kv_len_ + int64_t(ids.size()) > opt_.max_context)
+      fail("prefill of {} tokens would bring the context to {} positions; the CUDA backend was sized for {} "
+           "(CudaOptions::max_context / --max-context)", ids.size(), kv_len_ + int64_t(ids.size()), opt_.max_context);
+    check_ids(ids);
+    for (size_t done = 0; done < ids.size();) {
+      const int T = int(std::min<size_t>(size_t(opt_.prefill_chunk), ids.size() - done));
+      embed(ids.subspan(done, size_t(T)));
+      for (int l = 0; l < cfg_.num_layers; ++l) layer(l, Pass::Encoder, T);
+      kv_len_ += T;
+      done += size_t(T);
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  void denoise(const DenoiseRequest& req, DenoiseResult& out) override {
+    const int L = int(req.canvas.size()), H = cfg_.hidden_size, V = cfg_.vocab_size;
+    if (L == 0) fail("denoise: empty canvas");
+    if (L > cfg_.canvas_length) fail("denoise: canvas of {} tokens exceeds canvas_length {}", L, cfg_.canvas_length);
+    if (!(req.temperature > 0)) fail("denoise: temperature must be > 0, got {}", req.temperature);
+    if (kv_len_ + L > opt_.max_context)
+      fail("denoise at {} cached positions + {} canvas exceeds the CUDA backend's max_context {}", kv_len_, L,
+           opt_.max_context);
+    check_ids(req.canvas);
+    embed(req.canvas);
+    const float sqrt_h = std::sqrt(float(H));
+    bool have_signal = true;
+    switch (req.self_condition) {
+      case SelfCondition::None: have_signal = false; break;
+      case SelfCondition::CanvasEmbedding:
+        CUDA_CHECK(cudaMemcpyAsync(s_.sig, s_.h, size_t(L) * H * 4, cudaMemcpyDeviceToDevice, stream_));
+        break;
+      case SelfCondition::PreviousStep:
+        if (prev_rows_ != L)
+          fail("denoise: SelfCondition::PreviousStep needs a previous denoise of the same canvas length ({} vs {})",
+               prev_rows_, L);
+        soft_embedding(L, prev_temperature_);
+        break;
+      case SelfCondition::External:
+        if (int64_t(req.sc_logits.size()) != int64_t(L) * V)
+          fail("denoise: sc_logits has {} values, expected {} x {}", req.sc_logits.size(), L, V);
+        CUDA_CHECK(cudaMemcpyAsync(s_.logits, req.sc_logits.data(), req.sc_logits.size() * 4, cudaMemcpyHostToDevice,
+                                   stream_));
+        soft_embedding(L, 1.0f);
+        break;
+    }
+    prev_rows_ = 0;  // the logits buffer is about to hold this step's logits
+    const float eps = cfg_.rms_norm_eps;
+    if (have_signal) {
+      if (req.self_condition != SelfCondition::CanvasEmbedding) cuda::scale_f32(s_.sig, size_t(L) * H, sqrt_h, s_.sig, stream_);
+      cuda::rms_norm_f32_to_bf16(s_.sig, L, H, sc_pre_norm_, eps, s_.x, stream_);
+      gated_mlp(s_.x, L, sc_gu_, sc_down_, cfg_.intermediate_size, s_.a);
+      cuda::add_bf16_to_f32(s_.h, s_.a, size_t(L) * H, stream_);
+    }
+    cuda::rms_norm_f32_to_f32(s_.h, L, H, nullptr, eps, s_.h, stream_);
+    for (int l = 0; l < cfg_.num_layers; ++l) layer(l, Pass::Decoder, L);
+    cuda::rms_norm_f32_to_bf16(s_.h, L, H, final_norm_, eps, s_.x, stream_);
+    gemm_->linear(s_.x, Dt::BF16, L, embed_, Dt::BF16, V, H, s_.logits, Dt::F32, stream_);
+    cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats, stream_);
+    CUDA_CHECK(cudaMemcpyAsync(host_stats_, s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats),
+                               cudaMemcpyDeviceToHost, stream_));
+    if (req.want_logits) {
+      out.logits.resize(size_t(L) * V);
+      CUDA_CHECK(cudaMemcpyAsync(out.logits.data(), s_.logits, out.logits.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    } else {
+      out.logits.clear();
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    out.rows.resize(size_t(L));
+    for (int r = 0; r < L; ++r) {
+      const auto& d = host_stats_[r];
+      out.rows[size_t(r)] = RowStats{d.argmax, d.max_z, d.logsumexp, d.entropy};
+    }
+    prev_rows_ = L;
+    prev_temperature_ = req.temperature;
+  }
+
+ private:
+  void check_ids(std::span<const int32_t> ids) const {
+    for (size_t t = 0; t < ids.size(); ++t)
+      if (ids[t] < 0 || ids[t] >= cfg_.vocab_size)
+        fail("token id {} at position {} is outside the vocabulary [0, {})", ids[t], t, cfg_.vocab_size);
+  }
+
+  void embed(std::span<const int32_t> ids) {
+    // The pinned buffer is reused by the next chunk: wait until the previous copy out of it has completed.
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::memcpy(host_ids_, ids.data(), ids.size() * 4);
+    CUDA_CHECK(cudaMemcpyAsync(s_.ids, host_ids_, ids.size() * 4, cudaMemcpyHostToDevice, stream_));
+    // HF multiplies by sqrt(H) in the weight dtype (53.0); the CPU oracle uses f32 sqrt(H), and so do we.
+    cuda::embed_scale(s_.ids, int(ids.size()), embed_, cfg_.hidden_size, std::sqrt(float(cfg_.hidden_size)), s_.h,
+                      stream_);
+  }
+
+  // sig = softmax(logits / T) @ E (the sqrt(H) factor is applied by the caller)
+  void soft_embedding(int L, float temperature) {
+    cuda::softmax_rows_bf16(s_.logits, L, cfg_.vocab_size, temperature, s_.probs, stream_);
+    gemm_->through_table(s_.probs, Dt::BF16, L, embed_, Dt::BF16, cfg_.vocab_size, cfg_.hidden_size, s_.sig, Dt::F32,
+                         stream_);
+  }
+
+  // y = down(gelu_tanh(gate x) * up x), gate and up stacked in one [2I, H] weight.
+  void gated_mlp(const bf16* x, int T, const bf16* gu, const bf16* down, int I, bf16* y) {
+    gemm_->linear(x, Dt::BF16, T, gu, Dt::BF16, 2 * I, cfg_.hidden_size, s_.gu, Dt::BF16, stream_);
+    cuda::gelu_mul(s_.gu, T, I, s_.actd, stream_);
+    gemm_->linear(s_.actd, Dt::BF16, T, down, Dt::BF16, cfg_.hidden_size, I, y, Dt::BF16, stream_);
+  }
+
+  void layer(int l, Pass pass, int T) {
+    DevLayer& L = layers_[size_t(l)];
+    const int H = cfg_.hidden_size, nh = cfg_.num_heads, nkv = L.shape.n_kv_heads, D = L.shape.head_dim;
+    const int E = cfg_.num_experts, K = cfg_.top_k_experts;
+    const float eps = cfg_.rms_norm_eps;
+    const bool sliding = L.shape.kind == LayerKind::Sliding;
+
+    cuda::rms_norm_f32_to_bf16(s_.h, T, H, L.input_norm, eps, s_.x, stream_);
+    gemm_->linear(s_.x, Dt::BF16, T, L.wqkv, Dt::BF16, L.nqkv, H, s_.qkv, Dt::BF16, stream_);
+    cuda::qkv_norm_rope(s_.qkv, T, nh, nkv, D, !L.shape.has_v_proj, L.q_norm, L.k_norm, L.inv_freq, kv_len_, eps,
+                        s_.q, s_.kn, s_.vn, stream_);
+    cuda::AttentionArgs a{};
+    a.q = s_.q;
+    a.T = T, a.nh = nh, a.nkv = nkv, a.D = D;
+    a.k_cache = L.kc, a.v_cache = L.vc, a.cap = L.cap;
+    a.first_pos = sliding ? std::max<int64_t>(0, kv_len_ - (cfg_.sliding_window - 1)) : 0;
+    a.n_old = kv_len_ - a.first_pos;
+    a.k_new = s_.kn, a.v_new = s_.vn, a.T_new = T;
+    a.q_pos0 = kv_len_;
+    a.causal = pass == Pass::Encoder;
+    a.window = sliding ? cfg_.sliding_window : 0;
+    a.out = s_.att;
+    cuda::attention(a, stream_);
+    if (pass == Pass::Encoder) cuda::kv_write(s_.kn, s_.vn, T, nkv * D, kv_len_, L.kc, L.vc, L.cap, stream_);
+    gemm_->linear(s_.att, Dt::BF16, T, L.wo, Dt::BF16, H, nh * D, s_.a, Dt::BF16, stream_);
+    cuda::add_rms_norm(s_.h, s_.a, T, H, L.post_attn, eps, stream_);
+
+    cuda::pre_ffn(s_.h, T, H, L.pre_ff, L.pre_ff2, L.router_scale, eps, s_.x1, s_.xe, s_.xr, stream_);
+    gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
+    gemm_->linear(s_.xr, Dt::F32, T, L.router_w, Dt::F32, E, H, s_.rl, Dt::F32, stream_);
+    cuda::route_top_k(s_.rl, T, E, K, L.pes, s_.idx, s_.wk, stream_);
+    cuda::moe_group(s_.idx, T, K, E, s_.xe, H, s_.offsets, s_.sorted_pos, s_.xs, stream_);
+    cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, cfg_.moe_intermediate_size, s_.acte, stream_);
+    cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, cfg_.moe_intermediate_size, s_.y, stream_);
+    cuda::moe_combine(s_.y, s_.idx, s_.wk, s_.sorted_pos, T, K, H, s_.m2, stream_);
+    cuda::ffn_combine(s_.h, s_.m1, s_.m2, T, H, L.post_ff1, L.post_ff2, L.post_ff, eps,
+                      pass == Pass::Encoder ? L.enc_scalar : L.dec_scalar, stream_);
+  }
+
+  void layout(Arena& ar) {
+    const size_t H = size_t(cfg_.hidden_size), V = size_t(cfg_.vocab_size), Id = size_t(cfg_.intermediate_size);
+    const size_t Ie = size_t(cfg_.moe_intermediate_size), E = size_t(cfg_.num_experts), nh = size_t(cfg_.num_heads);
+    const size_t K = size_t(cfg_.top_k_experts), Tm = size_t(tm_), Lc = size_t(cfg_.canvas_length);
+    embed_ = ar.take<bf16>(V * H);
+    final_norm_ = ar.take<float>(H);
+    sc_pre_norm_ = ar.take<float>(H);
+    sc_gu_ = ar.take<bf16>(2 * Id * H);
+    sc_down_ = ar.take<bf16>(H * Id);
+    layers_.resize(size_t(cfg_.num_layers));
+    size_t max_qkv = 0, max_q = 0, max_kv = 0;
+    for (int l = 0; l < cfg_.num_layers; ++l) {
+      DevLayer& L = layers_[size_t(l)];
+      L.shape = cfg_.layers[size_t(l)];
+      const size_t D = size_t(L.shape.head_dim), nkv = size_t(L.shape.n_kv_heads);
+      L.nqkv = int((nh + (L.shape.has_v_proj ? 2 : 1) * nkv) * D);
+      max_qkv = std::max(max_qkv, size_t(L.nqkv));
+      max_q = std::max(max_q, nh * D);
+      max_kv = std::max(max_kv, nkv * D);
+      L.wqkv = ar.take<bf16>(size_t(L.nqkv) * H);
+      L.wo = ar.take<bf16>(H * nh * D);
+      L.dense_gu = ar.take<bf16>(2 * Id * H);
+      L.dense_down = ar.take<bf16>(H * Id);
+      L.exp_gu = ar.take<bf16>(E * 2 * Ie * H);
+      L.exp_down = ar.take<bf16>(E * H * Ie);
+      L.q_norm = ar.take<float>(D);
+      L.k_norm = ar.take<float>(D);
+      for (float** p : {&L.input_norm, &L.post_attn, &L.pre_ff, &L.post_ff1, &L.pre_ff2, &L.post_ff2, &L.post_ff,
+                        &L.router_scale})
+        *p = ar.take<float>(H);
+      L.router_w = ar.take<float>(E * H);
+      L.pes = ar.take<float>(E);
+      L.inv_freq = ar.take<float>(D / 2);
+      L.cap = L.shape.kind == LayerKind::Sliding
+                  ? std::min<int64_t>(opt_.max_context, cfg_.sliding_window - 1 + opt_.sliding_rewind)
+                  : opt_.max_context;
+      L.cap = std::max<int64_t>(L.cap, 1);
+      L.kc = ar.take<bf16>(size_t(L.cap) * nkv * D);
+      L.vc = ar.take<bf16>(size_t(L.cap) * nkv * D);
+    }
+    s_.ids = ar.take<int32_t>(Tm);
+    s_.h = ar.take<float>(Tm * H);
+    s_.xr = ar.take<float>(Tm * H);
+    s_.rl = ar.take<float>(Tm * E);
+    s_.wk = ar.take<float>(Tm * K);
+    s_.m2 = ar.take<float>(Tm * H);
+    s_.y = ar.take<float>(Tm * K * H);
+    s_.sig = ar.take<float>(Lc * H);
+    s_.logits = ar.take<float>(Lc * V);
+    for (bf16** p : {&s_.x, &s_.x1, &s_.xe, &s_.a, &s_.m1}) *p = ar.take<bf16>(Tm * H);
+    s_.qkv = ar.take<bf16>(Tm * max_qkv);
+    s_.q = ar.take<bf16>(Tm * max_q);
+    s_.att = ar.take<bf16>(Tm * max_q);
+    s_.kn = ar.take<bf16>(Tm * max_kv);
+    s_.vn = ar.take<bf16>(Tm * max_kv);
+    s_.gu = ar.take<bf16>(Tm * 2 * Id);
+    s_.actd = ar.take<bf16>(Tm * Id);
+    s_.xs = ar.take<bf16>(Tm * K * H);
+    s_.acte = ar.take<bf16>(Tm * K * Ie);
+    s_.probs = ar.take<bf16>(Lc * V);
+    s_.idx = ar.take<int32_t>(Tm * K);
+    s_.sorted_pos = ar.take<int32_t>(Tm * K);
+    s_.offsets = ar.take<int32_t>(E + 1);
+    s_.stats = ar.take<cuda::DeviceRowStats>(Lc);
+  }
+
+  void inv_freqs(DevLayer& L, std::vector<float>& f) {
+    const RopeParams& rp = L.shape.rope;
+    f.assign(size_t(L.shape.head_dim / 2), 0.0f);
+    for (int i = 0; i < rp.rotated_pairs; ++i)
+      f[size_t(i)] = float(1.0 / std::pow(double(rp.theta), 2.0 * i / double(rp.exponent_dim)));
+  }
+
+  // Converts host tensors through one pinned staging buffer, chunk by chunk.
+  struct Stager {
+    cudaStream_t stream;
+    void* pinned = nullptr;
+    size_t bytes = size_t(64) << 20;
+    size_t done = 0, total = 0;
+    bool progress = true;
+    int last_pct = -1;
+    std::vector<float> tmp;
+    explicit Stager(cudaStream_t s, size_t total_bytes, bool show) : stream(s), total(total_bytes), progress(show) {
+      CUDA_CHECK(cudaMallocHost(&pinned, bytes));
+    }
+    ~Stager() { cudaFreeHost(pinned); }
+    void put(const TensorView& t, void* dst, Dt dt, size_t elem_offset = 0) {
+      const size_t n = size_t(t.numel()), es = dt == Dt::BF16 ? 2 : 4, per = bytes / es;
+      const size_t src_es = dtype_size(t.dtype);
+      for (size_t i = 0; i < n; i += per) {
+        const size_t m = std::min(per, n - i);
+        CUDA_CHECK(cudaStreamSynchronize(stream));  // the staging buffer is free again
+        const uint8_t* src = t.data + i * src_es;
+        if (dt == Dt::BF16 && t.dtype == DType::BF16) {
+          std::memcpy(pinned, src, m * 2);
+        } else {
+          tmp.resize(m);
+          convert_to_f32(t.dtype, src, tmp.data(), m);
+          if (dt == Dt::F32) {
+            std::memcpy(pinned, tmp.data(), m * 4);
+          } else {
+            auto* o = static_cast<uint16_t*>(pinned);
+            for (size_t j = 0; j < m; ++j) o[j] = f32_to_bf16(tmp[j]);
+          }
+        }
+        CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + (elem_offset + i) * es, pinned, m * es,
+                                   cudaMemcpyHostToDevice, stream));
+        done += m * src_es;
+        int pct = total ? int(100.0 * double(done) / double(total)) : 100;
+        if (progress && pct != last_pct && pct % 5 == 0) {
+          std::fprintf(stderr, "\rcuda: uploading weights %3d%% (%.1f / %.1f GiB)", pct, double(done) / (1 << 30),
+                       double(total) / (1 << 30));
+          last_pct = pct;
+        }
+      }
+    }
+  };
+
+  void upload(const LoadedModel& m) {
+    const ModelWeights& w = m.weights;
+    size_t total = 0;
+    for (auto& [name, t] : m.checkpoint->all()) total += t->nbytes;
+    Stager st(stream_, total, opt_.progress);
+    const size_t H = size_t(cfg_.hidden_size), Id = size_t(cfg_.intermediate_size), nh = size_t(cfg_.num_heads);
+    st.put(*w.embed, embed_, Dt::BF16);
+    st.put(*w.final_norm, final_norm_, Dt::F32);
+    st.put(*w.sc_pre_norm, sc_pre_norm_, Dt::F32);
+    st.put(*w.sc_gate, sc_gu_, Dt::BF16);
+    st.put(*w.sc_up, sc_gu_, Dt::BF16, Id * H);
+    st.put(*w.sc_down, sc_down_, Dt::BF16);
+    std::vector<float> f;
+    for (int l = 0; l < cfg_.num_layers; ++l) {
+      DevLayer& L = layers_[size_t(l)];
+      const LayerWeights& lw = w.layers[size_t(l)];
+      const size_t D = size_t(L.shape.head_dim), nkv = size_t(L.shape.n_kv_heads);
+      st.put(*lw.q_proj, L.wqkv, Dt::BF16);
+      st.put(*lw.k_proj, L.wqkv, Dt::BF16, nh * D * H);
+      if (lw.v_proj) st.put(*lw.v_proj, L.wqkv, Dt::BF16, (nh + nkv) * D * H);
+      st.put(*lw.o_proj, L.wo, Dt::BF16);
+      st.put(*lw.mlp_gate, L.dense_gu, Dt::BF16);
+      st.put(*lw.mlp_up, L.dense_gu, Dt::BF16, Id * H);
+      st.put(*lw.mlp_down, L.dense_down, Dt::BF16);
+      st.put(*lw.experts_gate_up, L.exp_gu, Dt::BF16);
+      st.put(*lw.experts_down, L.exp_down, Dt::BF16);
+      st.put(*lw.q_norm, L.q_norm, Dt::F32);
+      st.put(*lw.k_norm, L.k_norm, Dt::F32);
+      st.put(*lw.input_norm, L.input_norm, Dt::F32);
+      st.put(*lw.post_attn_norm, L.post_attn, Dt::F32);
+      st.put(*lw.pre_ff_norm, L.pre_ff, Dt::F32);
+      st.put(*lw.post_ff_norm_1, L.post_ff1, Dt::F32);
+      st.put(*lw.pre_ff_norm_2, L.pre_ff2, Dt::F32);
+      st.put(*lw.post_ff_norm_2, L.post_ff2, Dt::F32);
+      st.put(*lw.post_ff_norm, L.post_ff, Dt::F32);
+      st.put(*lw.router_proj, L.router_w, Dt::F32);
+      st.put(*lw.router_scale, L.router_scale, Dt::F32);
+      st.put(*lw.per_expert_scale, L.pes, Dt::F32);
+      L.enc_scalar = lw.encoder_layer_scalar->to_f32()[0];
+      L.dec_scalar = lw.decoder_layer_scalar->to_f32()[0];
+      inv_freqs(L, f);
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      CUDA_CHECK(cudaMemcpy(L.inv_freq, f.data(), f.size() * 4, cudaMemcpyHostToDevice));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (opt_.progress) std::fprintf(stderr, "\n");
+  }
+
+  void synthesize(uint64_t seed) {
+    const size_t H = size_t(cfg_.hidden_size), V = size_t(cfg_.vocab_size), Id = size_t(cfg_.intermediate_size);
+    const size_t Ie = size_t(cfg_.moe_intermediate_size), E = size_t(cfg_.num_experts), nh = size_t(cfg_.num_heads);
+    uint64_t k = seed * 1000003ull;
+    auto wb = [&](bf16* p, size_t n, size_t fan_in) {
+      cuda::fill_uniform_bf16(p, n, ++k, float(1.0 / std::sqrt(double(fan_in))), 0.0f, stream_);
+    };
+    auto nf = [&](float* p, size_t n) { cuda::fill_uniform_f32(p, n, ++k, 0.25f, 1.0f, stream_); };
+    cuda::fill_uniform_bf16(embed_, V * H, ++k, 0.05f, 0.0f, stream_);
+    nf(final_norm_, H);
+    nf(sc_pre_norm_, H);
+    wb(sc_gu_, 2 * Id * H, H);
+    wb(sc_down_, H * Id, Id);
+    std::vector<float> f;
+    for (auto& L : layers_) {
+      const size_t D = size_t(L.shape.head_dim);
+      wb(L.wqkv, size_t(L.nqkv) * H, H);
+      wb(L.wo, H * nh * D, nh * D);
+      wb(L.dense_gu, 2 * Id * H, H);
+      wb(L.dense_down, H * Id, Id);
+      wb(L.exp_gu, E * 2 * Ie * H, H);
+      wb(L.exp_down, E * H * Ie, Ie);
+      for (float* p : {L.q_norm, L.k_norm}) nf(p, D);
+      for (float* p : {L.input_norm, L.post_attn, L.pre_ff, L.post_ff1, L.pre_ff2, L.post_ff2, L.post_ff, L.router_scale})
+        nf(p, H);
+      cuda::fill_uniform_f32(L.router_w, E * H, ++k, 1.0f / std::sqrt(float(H)), 0.0f, stream_);
+      nf(L.pes, E);
+      inv_freqs(L, f);
+      CUDA_CHECK(cudaMemcpy(L.inv_freq, f.data(), f.size() * 4, cudaMemcpyHostToDevice));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  const LoadedModel* model_;
+  ModelConfig cfg_;
+  CudaOptions opt_;
+  cudaStream_t stream_ = nullptr;
+  int tm_ = 0;
+  Arena arena_;
+  std::unique_ptr<cuda::Gemm> gemm_;
+  bf16 *embed_ = nullptr, *sc_gu_ = nullptr, *sc_down_ = nullptr;
+  float *final_norm_ = nullptr, *sc_pre_norm_ = nullptr;
+  std::vector<DevLayer> layers_;
+  Scratch s_{};
+  int32_t* host_ids_ = nullptr;
+  cuda::DeviceRowStats* host_stats_ = nullptr;
+  int64_t kv_len_ = 0;
+  int prev_rows_ = 0;
+  float prev_temperature_ = 1.0f;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, const CudaOptions& options) {
+  return std::make_unique<CudaBackend>(&model, model.config, 0, options);
+}
+
+std::unique_ptr<Backend> make_cuda_backend_synthetic(const ModelConfig& config, uint64_t seed,
+                                                     const CudaOptions& options) {
+  return std::make_unique<CudaBackend>(nullptr, config, seed, options);
+}
+
+}  // namespace dg

@@ -1,0 +1,103 @@
+#pragma once
+// Launchers of the CUDA kernels of one DiffusionGemma layer step. Every pointer is device memory; every launcher
+// checks its launch. Layouts are row-major; "bf16" activations, f32 wherever the CPU oracle needs the range
+// (residual stream, norm statistics, softmax, router, logits). Each launcher has a CPU-oracle test in
+// tests/test_cuda_kernels.cpp.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dg::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// ---- elementwise / row kernels (kernels_rows.cu) ----
+// out[t, :] = E[ids[t], :] * scale (f32 out; the residual stream is f32).
+void embed_scale(const int32_t* ids, int T, const bf16* E, int H, float scale, float* out, cudaStream_t s);
+// y = x * (mean(x^2) + eps)^-1/2 * w  (w == nullptr: no scale); one row of n per block. Any in/out types.
+void rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* w, float eps, bf16* y, cudaStream_t s);
+void rms_norm_f32_to_f32(const float* x, int rows, int n, const float* w, float eps, float* y, cudaStream_t s);
+// h += rms_norm(a; w)  (post-attention residual add)
+void add_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s);
+// From the residual h [T, H]: x1 = rms(h; w_pre) (dense MLP input), xe = rms(h; w_pre2) (expert input) and
+// xr = rms_noscale(h) * router_scale * H^-0.5 (router input, f32).
+void pre_ffn(const float* h, int rows, int n, const float* w_pre, const float* w_pre2, const float* router_scale,
+             float eps, bf16* x1, bf16* xe, float* xr, cudaStream_t s);
+// h = (h + rms(rms(m1; w1) + rms(m2; w2); w)) * scalar
+void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, const float* w1, const float* w2,
+                 const float* w, float eps, float scalar, cudaStream_t s);
+// act[r, i] = gelu_tanh(gu[r, i]) * gu[r, I + i]   (gu: [rows, 2I])
+void gelu_mul(const bf16* gu, int rows, int I, bf16* act, cudaStream_t s);
+// h += a (f32), used for the SC signal: e += sc
+void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s);
+
+// qkv: [T, (nh + 2 nkv) D] (or [T, (nh + nkv) D] when v_from_k: full layers reuse raw k as v).
+// q = rope(rms(q; qw)), k = rope(rms(k; kw)), v = rms_noscale(v); positions pos0 + t.
+// inv_freq: [D/2] f32, zeros for pass-through slots.
+void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k, const float* qw, const float* kw,
+                   const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k, bf16* v, cudaStream_t s);
+
+// Copies the new K/V rows of positions [pos0, pos0 + T) into a cache region of `cap` slots (slot = pos % cap);
+// only the last min(T, cap) rows are written (earlier ones would be overwritten anyway).
+void kv_write(const bf16* k_new, const bf16* v_new, int T, int row, int64_t pos0, bf16* k_cache, bf16* v_cache,
+              int64_t cap, cudaStream_t s);
+
+// In place: logits = cap * tanh(logits / cap) and per-row stats of z = logits / T (dg::compute_row_stats).
+struct DeviceRowStats {
+  int32_t argmax;
+  float max_z, logsumexp, entropy;
+};
+void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
+                       cudaStream_t s);
+// probs[r, :] = softmax(logits[r, :] / temperature) as bf16 (temperature 1 for already-tempered input).
+void softmax_rows_bf16(const float* logits, int rows, int V, float temperature, bf16* probs, cudaStream_t s);
+// out = in * scale (f32, in place allowed)
+void scale_f32(const float* in, size_t n, float scale, float* out, cudaStream_t s);
+
+// Device-side synthetic weights: uniform in [offset - scale, offset + scale) from a counter hash of (seed, i).
+void fill_uniform_bf16(bf16* p, size_t n, uint64_t seed, float scale, float offset, cudaStream_t s);
+void fill_uniform_f32(float* p, size_t n, uint64_t seed, float scale, float offset, cudaStream_t s);
+void convert_bf16_to_f32(const bf16* in, size_t n, float* out, cudaStream_t s);
+
+// ---- attention (kernels_attention.cu) ----
+// Queries: q [T, nh, D] at positions q_pos0 + t. Keys: the concatenation of n_old cached keys (ring of cap slots,
+// key j at position first_pos + j in slot (first_pos + j) % cap) and T_new new keys [T_new, nkv, D] at positions
+// first_pos + n_old + j. Causal: key visible iff k_pos <= q_pos and (window == 0 or q_pos - k_pos < window);
+// otherwise every key is visible. Raw dot products (no 1/sqrt(D)), f32 online softmax. out [T, nh, D].
+struct AttentionArgs {
+  const bf16* q;
+  int T, nh, nkv, D;
+  const bf16 *k_cache, *v_cache;
+  int64_t cap, first_pos, n_old;
+  const bf16 *k_new, *v_new;
+  int T_new;
+  int64_t q_pos0;
+  bool causal;
+  int64_t window;
+  bf16* out;
+};
+void attention(const AttentionArgs& a, cudaStream_t s);
+
+// ---- MoE (kernels_moe.cu) ----
+// Router over f32 logits [T, E]: softmax, top-k (higher prob first, ties -> lower index), renormalized,
+// times per_expert_scale. idx/w: [T, k].
+void route_top_k(const float* logits, int T, int E, int k, const float* per_expert_scale, int32_t* idx, float* w,
+                 cudaStream_t s);
+// Groups the T*k (token, slot) pairs by expert: offsets [E+1] (exclusive prefix of counts), sorted_pos[pair] =
+// row of that pair in the grouped order, xs[row] = x[token of that pair]. The order of rows inside one expert's
+// group depends on atomics, but every row is computed independently, so results do not.
+void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int32_t* offsets, int32_t* sorted_pos,
+               bf16* xs, cudaStream_t s);
+// Grouped expert GEMMs over rows grouped by expert (offsets [E+1], rows [0, P)):
+//   act[r, :] = gelu_tanh(xs[r] . Wgu[e, 0:I]^T) * (xs[r] . Wgu[e, I:2I]^T)     Wgu: [E, 2I, H]
+//   y[r, :] = act[r] . Wd[e]^T                                                 Wd:  [E, H, I]  (f32 out)
+void moe_gate_up(const bf16* xs, const int32_t* offsets, int E, int P, const bf16* Wgu, int H, int I, bf16* act,
+                 cudaStream_t s);
+void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16* Wd, int H, int I, float* y,
+              cudaStream_t s);
+// out[t] = sum over the token's k slots in ascending expert id of w[t, j] * y[sorted_pos[t*k + j]]   (f32)
+void moe_combine(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
+                 float* out, cudaStream_t s);
+
+}  // namespace dg::cuda

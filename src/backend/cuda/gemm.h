@@ -1,0 +1,43 @@
+#pragma once
+// cuBLASLt GEMMs in the two shapes the model needs, bf16 (or f32) operands with f32 accumulation. Descriptors and
+// the heuristic's algorithm are cached per shape, so the step loop does no allocation and no heuristic search.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+namespace dg::cuda {
+
+enum class Dt { BF16, F32 };
+
+class Gemm {
+ public:
+  explicit Gemm(size_t workspace_bytes = size_t(64) << 20);
+  ~Gemm();
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
+
+  // y[T, out] = x[T, in] . W[out, in]^T   (PyTorch Linear layout)
+  void linear(const void* x, Dt xt, int T, const void* W, Dt wt, int out, int in, void* y, Dt yt, cudaStream_t s);
+  // y[T, H] = p[T, V] . E[V, H]   (soft embedding through the table)
+  void through_table(const void* p, Dt pt, int T, const void* E, Dt et, int V, int H, void* y, Dt yt, cudaStream_t s);
+
+ private:
+  struct Plan {
+    cublasLtMatmulDesc_t op = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  // column-major C[m, n] = op(A) op(B); key: transa, m, n, k, dtypes
+  using Key = std::tuple<bool, int, int, int, int, int, int>;
+  void run(bool transa, int m, int n, int k, const void* A, Dt at, int lda, const void* B, Dt bt, int ldb, void* C,
+           Dt ct, int ldc, cudaStream_t s);
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_;
+  std::map<Key, Plan> plans_;
+};
+
+}  // namespace dg::cuda

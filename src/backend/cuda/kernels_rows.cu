@@ -1,0 +1,357 @@
+// Row-wise and elementwise kernels: embedding, RMSNorm variants, q/k/v norm + RoPE, GELU gate, KV writes,
+// softcap + sampler row statistics, softmax for the SC soft embedding, synthetic weight fill.
+#include <cfloat>
+#include <cstdint>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/cuda_util.cuh"
+
+namespace dg::cuda {
+namespace {
+
+constexpr int kRowThreads = 256;
+
+__global__ void embed_scale_k(const int32_t* ids, const bf16* E, int H, float scale, float* out) {
+  const int t = blockIdx.x;
+  const bf16* row = E + size_t(ids[t]) * H;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) out[size_t(t) * H + i] = __bfloat162float(row[i]) * scale;
+}
+
+template <class Out>
+__global__ void rms_norm_k(const float* x, int n, const float* w, float eps, Out* y) {
+  const float* xr = x + size_t(blockIdx.x) * n;
+  float ss = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+  const float inv = rsqrtf(block_sum(ss) / float(n) + eps);
+  Out* yr = y + size_t(blockIdx.x) * n;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    float v = xr[i] * inv;
+    if (w) v *= w[i];
+    yr[i] = Out(v);
+  }
+}
+
+__global__ void add_rms_norm_k(float* h, const bf16* a, int n, const float* w, float eps) {
+  const bf16* ar = a + size_t(blockIdx.x) * n;
+  float ss = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    float v = __bfloat162float(ar[i]);
+    ss += v * v;
+  }
+  const float inv = rsqrtf(block_sum(ss) / float(n) + eps);
+  float* hr = h + size_t(blockIdx.x) * n;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) hr[i] += __bfloat162float(ar[i]) * inv * w[i];
+}
+
+__global__ void pre_ffn_k(const float* h, int n, const float* w_pre, const float* w_pre2, const float* rs, float eps,
+                          bf16* x1, bf16* xe, float* xr) {
+  const size_t off = size_t(blockIdx.x) * n;
+  float ss = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) ss += h[off + i] * h[off + i];
+  const float inv = rsqrtf(block_sum(ss) / float(n) + eps);
+  const float inv_sqrt_n = 1.0f / sqrtf(float(n));
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = h[off + i] * inv;
+    x1[off + i] = __float2bfloat16(v * w_pre[i]);
+    xe[off + i] = __float2bfloat16(v * w_pre2[i]);
+    xr[off + i] = v * rs[i] * inv_sqrt_n;
+  }
+}
+
+__global__ void ffn_combine_k(float* h, const bf16* m1, const float* m2, int n, const float* w1, const float* w2,
+                              const float* w, float eps, float scalar) {
+  extern __shared__ float row[];
+  const size_t off = size_t(blockIdx.x) * n;
+  float s1 = 0, s2 = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    float a = __bfloat162float(m1[off + i]), b = m2[off + i];
+    s1 += a * a;
+    s2 += b * b;
+  }
+  const float inv1 = rsqrtf(block_sum(s1) / float(n) + eps);
+  const float inv2 = rsqrtf(block_sum(s2) / float(n) + eps);
+  float s3 = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    float v = __bfloat162float(m1[off + i]) * inv1 * w1[i] + m2[off + i] * inv2 * w2[i];
+    row[i] = v;
+    s3 += v * v;
+  }
+  const float inv3 = rsqrtf(block_sum(s3) / float(n) + eps);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) h[off + i] = (h[off + i] + row[i] * inv3 * w[i]) * scalar;
+}
+
+__global__ void gelu_mul_k(const bf16* gu, int rows, int I, bf16* act) {
+  const size_t n = size_t(rows) * I;
+  for (size_t e = blockIdx.x * size_t(blockDim.x) + threadIdx.x; e < n; e += size_t(gridDim.x) * blockDim.x) {
+    const size_t r = e / I, i = e % I;
+    const float g = __bfloat162float(gu[r * 2 * I + i]), u = __bfloat162float(gu[r * 2 * I + I + i]);
+    act[e] = __float2bfloat16(gelu_tanh(g) * u);
+  }
+}
+
+__global__ void add_bf16_to_f32_k(float* h, const bf16* a, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    h[i] += __bfloat162float(a[i]);
+}
+
+// One warp per (token, head) row: norm over D, then split-half rotation of the pairs (i, i + D/2).
+__global__ void qkv_norm_rope_k(const bf16* qkv, int nh, int nkv, int D, bool v_from_k, const float* qw,
+                                const float* kw, const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k,
+                                bf16* v) {
+  const int t = blockIdx.x, lane = threadIdx.x & 31;
+  const int n_rows = nh + 2 * nkv;
+  const int width = (nh + (v_from_k ? 1 : 2) * nkv) * D;
+  const bf16* src_row = qkv + size_t(t) * width;
+  const float pos = float(pos0 + t);
+  const int half = D / 2;
+  for (int r = threadIdx.x >> 5; r < n_rows; r += blockDim.x >> 5) {
+    const bf16* src;
+    bf16* dst;
+    const float* w;
+    bool rotate;
+    if (r < nh) {
+      src = src_row + size_t(r) * D, dst = q + (size_t(t) * nh + r) * D, w = qw, rotate = true;
+    } else if (r < nh + nkv) {
+      src = src_row + size_t(r) * D, dst = k + (size_t(t) * nkv + (r - nh)) * D, w = kw, rotate = true;
+    } else {
+      const int hv = r - nh - nkv;
+      src = src_row + size_t(v_from_k ? nh + hv : nh + nkv + hv) * D;
+      dst = v + (size_t(t) * nkv + hv) * D, w = nullptr, rotate = false;
+    }
+    float ss = 0;
+    for (int i = lane; i < D; i += 32) {
+      float x = __bfloat162float(src[i]);
+      ss += x * x;
+    }
+    const float inv = rsqrtf(warp_sum(ss) / float(D) + eps);
+    for (int i = lane; i < half; i += 32) {
+      float a = __bfloat162float(src[i]) * inv, b = __bfloat162float(src[i + half]) * inv;
+      if (w) a *= w[i], b *= w[i + half];
+      if (rotate && inv_freq[i] != 0.0f) {
+        float sn, cs;
+        sincosf(pos * inv_freq[i], &sn, &cs);
+        const float a2 = a * cs - b * sn, b2 = b * cs + a * sn;
+        a = a2, b = b2;
+      }
+      dst[i] = __float2bfloat16(a);
+      dst[i + half] = __float2bfloat16(b);
+    }
+  }
+}
+
+__global__ void kv_write_k(const uint4* k_new, const uint4* v_new, int T, int row_vec, int64_t pos0, uint4* kc,
+                           uint4* vc, int64_t cap, int t_first) {
+  const int t = t_first + blockIdx.x;
+  const int64_t slot = (pos0 + t) % cap;
+  for (int i = threadIdx.x; i < row_vec; i += blockDim.x) {
+    kc[slot * row_vec + i] = k_new[size_t(t) * row_vec + i];
+    vc[slot * row_vec + i] = v_new[size_t(t) * row_vec + i];
+  }
+}
+
+// Ties: the lowest index wins, as in dg::compute_row_stats.
+__device__ __forceinline__ void better(float& bv, int& bi, float v, int i) {
+  if (v > bv || (v == bv && i < bi)) bv = v, bi = i;
+}
+
+__global__ void softcap_row_stats_k(float* logits, int V, float cap, float temperature, DeviceRowStats* stats) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  __shared__ float best_s;
+  __shared__ int best_i;
+  float* row = logits + size_t(blockIdx.x) * V;
+  float bv = -INFINITY;
+  int bi = INT32_MAX;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const float c = cap * tanhf(row[i] / cap);
+    row[i] = c;
+    better(bv, bi, c / temperature, i);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    better(bv, bi, ov, oi);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) sv[warp] = bv, si[warp] = bi;
+  __syncthreads();
+  if (warp == 0) {
+    bv = lane < int(blockDim.x >> 5) ? sv[lane] : -INFINITY;
+    bi = lane < int(blockDim.x >> 5) ? si[lane] : INT32_MAX;
+    for (int o = 16; o > 0; o >>= 1) {
+      float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      better(bv, bi, ov, oi);
+    }
+    if (lane == 0) best_s = bv, best_i = bi;
+  }
+  __syncthreads();
+  const float best = best_s;
+  // Double accumulation as in compute_row_stats: the accept rule compares entropies against a threshold.
+  double sum = 0, weighted = 0;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const double d = double(row[i] / temperature) - best;
+    const double e = exp(d);
+    sum += e;
+    weighted += e * d;
+  }
+  sum = block_sum(sum);
+  weighted = block_sum(weighted);
+  if (threadIdx.x == 0) {
+    DeviceRowStats r;
+    r.argmax = best_i;
+    r.max_z = best;
+    r.logsumexp = float(best + log(sum));
+    r.entropy = float(fmax(0.0, log(sum) - weighted / sum));
+    stats[blockIdx.x] = r;
+  }
+}
+
+__global__ void softmax_rows_bf16_k(const float* logits, int V, float temperature, bf16* probs) {
+  const float* row = logits + size_t(blockIdx.x) * V;
+  __shared__ float part[32];
+  __shared__ float mx_s;
+  float mx = -INFINITY;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, row[i] / temperature);
+  mx = warp_max(mx);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = mx;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float x = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : -INFINITY;
+    x = warp_max(x);
+    if (threadIdx.x == 0) mx_s = x;
+  }
+  __syncthreads();
+  mx = mx_s;
+  float s = 0;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) s += __expf(row[i] / temperature - mx);
+  const float inv = 1.0f / block_sum(s);
+  bf16* out = probs + size_t(blockIdx.x) * V;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) out[i] = __float2bfloat16(__expf(row[i] / temperature - mx) * inv);
+}
+
+__global__ void scale_f32_k(const float* in, size_t n, float scale, float* out) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = in[i] * scale;
+}
+
+__device__ __forceinline__ float hash_uniform(uint64_t seed, uint64_t i) {
+  uint64_t z = seed + 0x9e3779b97f4a7c15ull * (i + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return float(z >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f;  // [-1, 1)
+}
+
+__global__ void fill_bf16_k(bf16* p, size_t n, uint64_t seed, float scale, float offset) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = __float2bfloat16(offset + scale * hash_uniform(seed, i));
+}
+__global__ void fill_f32_k(float* p, size_t n, uint64_t seed, float scale, float offset) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = offset + scale * hash_uniform(seed, i);
+}
+__global__ void bf16_to_f32_k(const bf16* in, size_t n, float* out) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = __bfloat162float(in[i]);
+}
+
+unsigned grid_for(size_t n) {
+  size_t g = (n + 255) / 256;
+  return unsigned(g < 1 ? 1 : (g > 65536 ? 65536 : g));
+}
+
+}  // namespace
+
+void embed_scale(const int32_t* ids, int T, const bf16* E, int H, float scale, float* out, cudaStream_t s) {
+  if (T == 0) return;
+  embed_scale_k<<<T, kRowThreads, 0, s>>>(ids, E, H, scale, out);
+  CUDA_CHECK_LAUNCH();
+}
+void rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* w, float eps, bf16* y, cudaStream_t s) {
+  if (rows == 0) return;
+  rms_norm_k<bf16><<<rows, kRowThreads, 0, s>>>(x, n, w, eps, y);
+  CUDA_CHECK_LAUNCH();
+}
+void rms_norm_f32_to_f32(const float* x, int rows, int n, const float* w, float eps, float* y, cudaStream_t s) {
+  if (rows == 0) return;
+  rms_norm_k<float><<<rows, kRowThreads, 0, s>>>(x, n, w, eps, y);
+  CUDA_CHECK_LAUNCH();
+}
+void add_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s) {
+  if (rows == 0) return;
+  add_rms_norm_k<<<rows, kRowThreads, 0, s>>>(h, a, n, w, eps);
+  CUDA_CHECK_LAUNCH();
+}
+void pre_ffn(const float* h, int rows, int n, const float* w_pre, const float* w_pre2, const float* router_scale,
+             float eps, bf16* x1, bf16* xe, float* xr, cudaStream_t s) {
+  if (rows == 0) return;
+  pre_ffn_k<<<rows, kRowThreads, 0, s>>>(h, n, w_pre, w_pre2, router_scale, eps, x1, xe, xr);
+  CUDA_CHECK_LAUNCH();
+}
+void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, const float* w1, const float* w2,
+                 const float* w, float eps, float scalar, cudaStream_t s) {
+  if (rows == 0) return;
+  ffn_combine_k<<<rows, kRowThreads, size_t(n) * sizeof(float), s>>>(h, m1, m2, n, w1, w2, w, eps, scalar);
+  CUDA_CHECK_LAUNCH();
+}
+void gelu_mul(const bf16* gu, int rows, int I, bf16* act, cudaStream_t s) {
+  if (rows == 0) return;
+  gelu_mul_k<<<grid_for(size_t(rows) * I), 256, 0, s>>>(gu, rows, I, act);
+  CUDA_CHECK_LAUNCH();
+}
+void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s) {
+  if (n == 0) return;
+  add_bf16_to_f32_k<<<grid_for(n), 256, 0, s>>>(h, a, n);
+  CUDA_CHECK_LAUNCH();
+}
+void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k, const float* qw, const float* kw,
+                   const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k, bf16* v, cudaStream_t s) {
+  if (T == 0) return;
+  int rows = nh + 2 * nkv, warps = rows < 8 ? rows : 8;
+  qkv_norm_rope_k<<<T, 32 * warps, 0, s>>>(qkv, nh, nkv, D, v_from_k, qw, kw, inv_freq, pos0, eps, q, k, v);
+  CUDA_CHECK_LAUNCH();
+}
+void kv_write(const bf16* k_new, const bf16* v_new, int T, int row, int64_t pos0, bf16* k_cache, bf16* v_cache,
+              int64_t cap, cudaStream_t s) {
+  if (T == 0) return;
+  const int t_first = T > cap ? int(T - cap) : 0;
+  kv_write_k<<<T - t_first, 128, 0, s>>>(reinterpret_cast<const uint4*>(k_new), reinterpret_cast<const uint4*>(v_new),
+                                         T, row / 8, pos0, reinterpret_cast<uint4*>(k_cache),
+                                         reinterpret_cast<uint4*>(v_cache), cap, t_first);
+  CUDA_CHECK_LAUNCH();
+}
+void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
+                       cudaStream_t s) {
+  if (rows == 0) return;
+  softcap_row_stats_k<<<rows, 1024, 0, s>>>(logits, V, softcap, temperature, stats);
+  CUDA_CHECK_LAUNCH();
+}
+void softmax_rows_bf16(const float* logits, int rows, int V, float temperature, bf16* probs, cudaStream_t s) {
+  if (rows == 0) return;
+  softmax_rows_bf16_k<<<rows, 1024, 0, s>>>(logits, V, temperature, probs);
+  CUDA_CHECK_LAUNCH();
+}
+void scale_f32(const float* in, size_t n, float scale, float* out, cudaStream_t s) {
+  if (n == 0) return;
+  scale_f32_k<<<grid_for(n), 256, 0, s>>>(in, n, scale, out);
+  CUDA_CHECK_LAUNCH();
+}
+void fill_uniform_bf16(bf16* p, size_t n, uint64_t seed, float scale, float offset, cudaStream_t s) {
+  if (n == 0) return;
+  fill_bf16_k<<<grid_for(n), 256, 0, s>>>(p, n, seed, scale, offset);
+  CUDA_CHECK_LAUNCH();
+}
+void fill_uniform_f32(float* p, size_t n, uint64_t seed, float scale, float offset, cudaStream_t s) {
+  if (n == 0) return;
+  fill_f32_k<<<grid_for(n), 256, 0, s>>>(p, n, seed, scale, offset);
+  CUDA_CHECK_LAUNCH();
+}
+void convert_bf16_to_f32(const bf16* in, size_t n, float* out, cudaStream_t s) {
+  if (n == 0) return;
+  bf16_to_f32_k<<<grid_for(n), 256, 0, s>>>(in, n, out);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace dg::cuda

@@ -1,0 +1,203 @@
+// `diffgemma bench`: ms per denoise step and prefill tok/s on the GPU, with synthetic full-size weights generated on
+// the device (no checkpoint needed) or a real checkpoint (-m DIR). Timed with CUDA events after warm-up; medians.
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cli/command.h"
+#include "util/error.h"
+
+#ifdef DIFFGEMMA_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include <nlohmann/json.hpp>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_device.h"
+#include "model/weights.h"
+#endif
+
+namespace dg::cli {
+namespace {
+
+#ifdef DIFFGEMMA_WITH_CUDA
+// google/diffusiongemma-26B-A4B-it text config (model-reference §1).
+ModelConfig full_size_config() {
+  ModelConfig c;
+  c.vocab_size = 262144;
+  c.hidden_size = 2816;
+  c.intermediate_size = 2112;
+  c.moe_intermediate_size = 704;
+  c.num_layers = 30;
+  c.num_heads = 16;
+  c.num_experts = 128;
+  c.top_k_experts = 8;
+  c.sliding_window = 1024;
+  c.canvas_length = 256;
+  for (int l = 0; l < 30; ++l) {
+    LayerShape s;
+    if (l % 6 == 5) {
+      s.kind = LayerKind::Full, s.head_dim = 512, s.n_kv_heads = 2, s.has_v_proj = false;
+      s.rope = {1e6f, 64, 512.0f};
+    } else {
+      s.kind = LayerKind::Sliding, s.head_dim = 256, s.n_kv_heads = 8, s.has_v_proj = true;
+      s.rope = {1e4f, 128, 256.0f};
+    }
+    c.layers.push_back(s);
+  }
+  return c;
+}
+
+struct Timer {
+  cudaEvent_t a, b;
+  Timer() { cudaEventCreate(&a), cudaEventCreate(&b); }
+  ~Timer() { cudaEventDestroy(a), cudaEventDestroy(b); }
+  template <class F>
+  double ms(F&& f) {
+    cudaEventRecord(a);
+    f();
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float t = 0;
+    cudaEventElapsedTime(&t, a, b);
+    return t;
+  }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector<int> contexts,
+              std::vector<int> prefills, bool json) {
+  auto info = cuda::query_device(0);
+  if (!info.available) fail("bench needs a CUDA GPU: {}", info.reason);
+  int max_ctx = 0;
+  for (int c : contexts) max_ctx = std::max(max_ctx, c);
+  for (int p : prefills) max_ctx = std::max(max_ctx, p);
+  CudaOptions opt;
+  opt.max_context = max_ctx + 1024;
+  std::unique_ptr<LoadedModel> model;
+  std::unique_ptr<Backend> be;
+  Timer timer;
+  double load_ms = timer.ms([&] {
+    if (model_dir.empty()) {
+      be = make_cuda_backend_synthetic(full_size_config(), seed, opt);
+    } else {
+      model = load_model(model_dir);
+      be = make_cuda_backend(*model, opt);
+    }
+  });
+  const ModelConfig& cfg = be->config();
+  std::mt19937 rng{uint32_t(seed)};
+  auto random_ids = [&](int n) {
+    std::vector<int32_t> ids(static_cast<size_t>(n));
+    for (auto& x : ids) x = int32_t(rng() % uint32_t(cfg.vocab_size));
+    return ids;
+  };
+  const int L = cfg.canvas_length;
+  nlohmann::json out;
+  out["device"] = info.name;
+  out["weights"] = model_dir.empty() ? "synthetic full-size (seed " + std::to_string(seed) + ")" : model_dir;
+  out["load_ms"] = load_ms;
+  out["reps"] = reps;
+
+  // Prefill throughput from an empty cache (one untimed warm-up at the smallest size first).
+  be->prefill(random_ids(std::min(512, prefills.empty() ? 512 : prefills[0])));
+  for (int p : prefills) {
+    std::vector<double> t;
+    auto ids = random_ids(p);
+    for (int r = 0; r < (p > 8192 ? 1 : 3); ++r) {
+      be->truncate(0);
+      t.push_back(timer.ms([&] { be->prefill(ids); }));
+    }
+    double ms = median(t);
+    out["prefill"][std::to_string(p)] = {{"ms", ms}, {"tok_per_s", p / (ms / 1e3)}};
+    std::fprintf(stderr, "prefill %6d tokens: %9.1f ms  %9.0f tok/s\n", p, ms, p / (ms / 1e3));
+  }
+
+  for (int ctx : contexts) {
+    be->truncate(0);
+    be->prefill(random_ids(ctx));
+    DenoiseRequest req;
+    auto canvas = random_ids(L);
+    req.canvas = canvas;
+    req.temperature = 0.8f;
+    DenoiseResult res;
+    be->denoise(req, res);  // first step: no SC
+    req.self_condition = SelfCondition::PreviousStep;
+    for (int w = 0; w < 2; ++w) be->denoise(req, res);
+    std::vector<double> t;
+    for (int r = 0; r < reps; ++r) t.push_back(timer.ms([&] { be->denoise(req, res); }));
+    const double step = median(t);
+    // Commit of one canvas (encoder pass over 256 tokens), then rewind it.
+    std::vector<double> tc;
+    auto commit = random_ids(L);
+    for (int r = 0; r < 3; ++r) {
+      tc.push_back(timer.ms([&] { be->prefill(commit); }));
+      be->truncate(ctx);
+    }
+    const double commit_ms = median(tc);
+    const double e2e = L / ((16 * step + commit_ms) / 1e3);
+    out["denoise"][std::to_string(ctx)] = {{"step_ms", step},
+                                           {"step_ms_min", *std::min_element(t.begin(), t.end())},
+                                           {"commit_ms", commit_ms},
+                                           {"tok_per_s_16_steps", e2e}};
+    std::fprintf(stderr, "kv %6d: denoise step %7.2f ms (min %.2f), commit 256 %7.2f ms, 16 steps/canvas %7.0f tok/s\n",
+                 ctx, step, *std::min_element(t.begin(), t.end()), commit_ms, e2e);
+  }
+
+  if (json) {
+    std::printf("%s\n", out.dump(2).c_str());
+  } else {
+    std::printf("device: %s\nweights: %s\n\n", info.name.c_str(), out["weights"].get<std::string>().c_str());
+    std::printf("| kv context | denoise step (ms) | commit 256 (ms) | tok/s at 16 steps |\n|---:|---:|---:|---:|\n");
+    for (int ctx : contexts) {
+      auto& d = out["denoise"][std::to_string(ctx)];
+      std::printf("| %d | %.2f | %.2f | %.0f |\n", ctx, d["step_ms"].get<double>(), d["commit_ms"].get<double>(),
+                  d["tok_per_s_16_steps"].get<double>());
+    }
+    std::printf("\n| prefill tokens | ms | tok/s |\n|---:|---:|---:|\n");
+    for (int p : prefills) {
+      auto& d = out["prefill"][std::to_string(p)];
+      std::printf("| %d | %.1f | %.0f |\n", p, d["ms"].get<double>(), d["tok_per_s"].get<double>());
+    }
+  }
+  return 0;
+}
+#endif
+
+std::vector<int> parse_sizes(const std::string& s) {
+  std::vector<int> v;
+  for (int32_t x : parse_id_list(s, "size list")) v.push_back(int(x));
+  return v;
+}
+
+CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthetic full-size weights or -m DIR)",
+                     [](CLI::App& sub) -> Action {
+                       auto model = std::make_shared<std::string>();
+                       auto seed = std::make_shared<uint64_t>(1);
+                       auto reps = std::make_shared<int>(10);
+                       auto ctx = std::make_shared<std::string>("512,4096,32768");
+                       auto pre = std::make_shared<std::string>("4096,32768");
+                       auto json = std::make_shared<bool>(false);
+                       sub.add_option("-m,--model", *model, "checkpoint directory (default: synthetic weights)");
+                       sub.add_option("--seed", *seed, "seed of the synthetic weights and inputs");
+                       sub.add_option("--reps", *reps, "timed denoise steps per context (median reported)");
+                       sub.add_option("--contexts", *ctx, "KV lengths for the denoise timing, comma-separated");
+                       sub.add_option("--prefill", *pre, "prefill sizes, comma-separated");
+                       sub.add_flag("--json", *json, "print JSON instead of tables");
+                       return [=]() -> int {
+#ifdef DIFFGEMMA_WITH_CUDA
+                         return run_bench(*model, *seed, *reps, parse_sizes(*ctx), parse_sizes(*pre), *json);
+#else
+                         fail("diffgemma was built without CUDA: bench needs the CUDA backend");
+#endif
+                       };
+                     });
+
+}  // namespace
+}  // namespace dg::cli

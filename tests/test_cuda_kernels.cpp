@@ -1,0 +1,414 @@
+// Each CUDA kernel against its CPU oracle (backend/cpu/cpu_ops, dg::compute_row_stats) on random inputs of awkward
+// sizes. Skips with the device-query reason when no GPU is usable.
+#ifdef DIFFGEMMA_WITH_CUDA
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "backend/backend.h"
+#include "backend/cpu/cpu_ops.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_device.h"
+#include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/gemm.h"
+#include "util/dtype.h"
+
+namespace dg::cuda {
+namespace {
+
+#define REQUIRE_GPU()                                                     \
+  do {                                                                    \
+    static const DeviceInfo info_ = query_device(0);                      \
+    if (!info_.available) GTEST_SKIP() << "no GPU: " << info_.reason;     \
+  } while (0)
+
+template <class T>
+struct Dev {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t count) : n(count) {
+    CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+    CUDA_CHECK(cudaMemset(p, 0xff, std::max<size_t>(n, 1) * sizeof(T)));  // poison: unwritten outputs show as NaN
+  }
+  ~Dev() { cudaFree(p); }
+  void put(const std::vector<T>& v) { CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice)); }
+  std::vector<T> get() const {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<T> v(n);
+    CUDA_CHECK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return v;
+  }
+};
+
+std::mt19937 rng(1234);
+std::vector<float> rnd(size_t n, float lo = -1, float hi = 1) {
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+// Rounds to bf16 in place (so the oracle sees exactly the device's inputs) and returns the bf16 bits.
+std::vector<bf16> to_bf16(std::vector<float>& v) {
+  std::vector<bf16> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint16_t h = f32_to_bf16(v[i]);
+    v[i] = bf16_to_f32(h);
+    std::memcpy(&b[i], &h, 2);
+  }
+  return b;
+}
+std::vector<float> from_bf16(const std::vector<bf16>& b) {
+  std::vector<float> v(b.size());
+  for (size_t i = 0; i < b.size(); ++i) {
+    uint16_t h;
+    std::memcpy(&h, &b[i], 2);
+    v[i] = bf16_to_f32(h);
+  }
+  return v;
+}
+// max|got - want| / max|want|; NaN never passes.
+double rel_err(const std::vector<float>& got, const std::vector<float>& want) {
+  EXPECT_EQ(got.size(), want.size());
+  double md = 0, mr = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    md = std::max(md, double(std::fabs(got[i] - want[i])));
+    mr = std::max(mr, double(std::fabs(want[i])));
+  }
+  return md / std::max(mr, 1e-30);
+}
+
+TEST(CudaKernels, EmbedScale) {
+  REQUIRE_GPU();
+  const int V = 37, H = 72, T = 13;
+  auto E = rnd(size_t(V) * H);
+  Dev<bf16> dE(E.size());
+  dE.put(to_bf16(E));
+  std::vector<int32_t> ids(T);
+  for (auto& i : ids) i = int32_t(rng() % V);
+  Dev<int32_t> dids(T);
+  dids.put(ids);
+  Dev<float> out(size_t(T) * H);
+  embed_scale(dids.p, T, dE.p, H, 3.5f, out.p, nullptr);
+  std::vector<float> want(out.n);
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < H; ++i) want[size_t(t) * H + i] = E[size_t(ids[t]) * H + i] * 3.5f;
+  EXPECT_LE(rel_err(out.get(), want), 1e-7);
+}
+
+TEST(CudaKernels, RmsNormVariants) {
+  REQUIRE_GPU();
+  const int rows = 7, n = 203;
+  const float eps = 1e-6f;
+  auto x = rnd(size_t(rows) * n, -3, 3), w = rnd(n, 0.5f, 1.5f);
+  Dev<float> dx(x.size()), dw(n), y32(x.size());
+  Dev<bf16> y16(x.size());
+  dx.put(x);
+  dw.put(w);
+  std::vector<float> want(x.size()), want_ns(x.size());
+  cpu::rms_norm(x.data(), rows, n, w.data(), eps, want.data());
+  cpu::rms_norm(x.data(), rows, n, nullptr, eps, want_ns.data());
+  rms_norm_f32_to_bf16(dx.p, rows, n, dw.p, eps, y16.p, nullptr);
+  EXPECT_LE(rel_err(from_bf16(y16.get()), want), 8e-3);
+  rms_norm_f32_to_f32(dx.p, rows, n, nullptr, eps, y32.p, nullptr);
+  EXPECT_LE(rel_err(y32.get(), want_ns), 1e-5);
+
+  // h += rms(a; w)
+  auto a = rnd(x.size(), -2, 2);
+  Dev<bf16> da(a.size());
+  da.put(to_bf16(a));
+  std::vector<float> an(a.size()), h = x;
+  cpu::rms_norm(a.data(), rows, n, w.data(), eps, an.data());
+  for (size_t i = 0; i < h.size(); ++i) h[i] += an[i];
+  add_rms_norm(dx.p, da.p, rows, n, dw.p, eps, nullptr);
+  EXPECT_LE(rel_err(dx.get(), h), 1e-5);
+}
+
+TEST(CudaKernels, PreFfnAndCombine) {
+  REQUIRE_GPU();
+  const int rows = 5, n = 168;
+  const float eps = 1e-6f;
+  auto h = rnd(size_t(rows) * n, -4, 4), w1 = rnd(n, 0.5f, 1.5f), w2 = rnd(n, 0.5f, 1.5f), rs = rnd(n, 0.5f, 1.5f);
+  Dev<float> dh(h.size()), dw1(n), dw2(n), drs(n), xr(h.size());
+  Dev<bf16> x1(h.size()), xe(h.size());
+  dh.put(h), dw1.put(w1), dw2.put(w2), drs.put(rs);
+  pre_ffn(dh.p, rows, n, dw1.p, dw2.p, drs.p, eps, x1.p, xe.p, xr.p, nullptr);
+  std::vector<float> e1(h.size()), e2(h.size()), er(h.size());
+  cpu::rms_norm(h.data(), rows, n, w1.data(), eps, e1.data());
+  cpu::rms_norm(h.data(), rows, n, w2.data(), eps, e2.data());
+  cpu::rms_norm(h.data(), rows, n, nullptr, eps, er.data());
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) er[size_t(r) * n + i] *= rs[size_t(i)] / std::sqrt(float(n));
+  EXPECT_LE(rel_err(from_bf16(x1.get()), e1), 8e-3);
+  EXPECT_LE(rel_err(from_bf16(xe.get()), e2), 8e-3);
+  EXPECT_LE(rel_err(xr.get(), er), 1e-5);
+
+  // h = (h + rms(rms(m1; w1) + rms(m2; w2); w)) * scalar
+  auto m1 = rnd(h.size(), -2, 2), m2 = rnd(h.size(), -5, 5), w = rnd(n, 0.5f, 1.5f);
+  Dev<bf16> dm1(m1.size());
+  Dev<float> dm2(m2.size()), dw(n);
+  dm1.put(to_bf16(m1)), dm2.put(m2), dw.put(w);
+  std::vector<float> a(h.size()), b(h.size()), want = h;
+  cpu::rms_norm(m1.data(), rows, n, w1.data(), eps, a.data());
+  cpu::rms_norm(m2.data(), rows, n, w2.data(), eps, b.data());
+  for (size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+  cpu::rms_norm(a.data(), rows, n, w.data(), eps, a.data());
+  for (size_t i = 0; i < want.size(); ++i) want[i] = (want[i] + a[i]) * 0.75f;
+  ffn_combine(dh.p, dm1.p, dm2.p, rows, n, dw1.p, dw2.p, dw.p, eps, 0.75f, nullptr);
+  EXPECT_LE(rel_err(dh.get(), want), 1e-5);
+}
+
+TEST(CudaKernels, GeluMul) {
+  REQUIRE_GPU();
+  const int rows = 9, I = 77;
+  auto gu = rnd(size_t(rows) * 2 * I, -4, 4);
+  Dev<bf16> dgu(gu.size()), act(size_t(rows) * I);
+  dgu.put(to_bf16(gu));
+  gelu_mul(dgu.p, rows, I, act.p, nullptr);
+  std::vector<float> want(act.n);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < I; ++i)
+      want[size_t(r) * I + i] = cpu::gelu_tanh(gu[size_t(r) * 2 * I + i]) * gu[size_t(r) * 2 * I + I + i];
+  EXPECT_LE(rel_err(from_bf16(act.get()), want), 8e-3);
+}
+
+void check_qkv(int T, int nh, int nkv, int D, bool v_from_k, RopeParams rp, int64_t pos0) {
+  const float eps = 1e-6f;
+  const int width = (nh + (v_from_k ? 1 : 2) * nkv) * D;
+  auto qkv = rnd(size_t(T) * width, -2, 2), qw = rnd(D, 0.5f, 1.5f), kw = rnd(D, 0.5f, 1.5f);
+  Dev<bf16> dqkv(qkv.size()), q(size_t(T) * nh * D), k(size_t(T) * nkv * D), v(size_t(T) * nkv * D);
+  dqkv.put(to_bf16(qkv));
+  std::vector<float> inv(size_t(D / 2), 0.0f);
+  for (int i = 0; i < rp.rotated_pairs; ++i) inv[size_t(i)] = float(1.0 / std::pow(double(rp.theta), 2.0 * i / rp.exponent_dim));
+  Dev<float> dqw(D), dkw(D), dinv(inv.size());
+  dqw.put(qw), dkw.put(kw), dinv.put(inv);
+  qkv_norm_rope(dqkv.p, T, nh, nkv, D, v_from_k, dqw.p, dkw.p, dinv.p, pos0, eps, q.p, k.p, v.p, nullptr);
+  std::vector<float> eq(q.n), ek(k.n), ev(v.n);
+  std::vector<int64_t> pos(static_cast<size_t>(T));
+  std::iota(pos.begin(), pos.end(), pos0);
+  for (int t = 0; t < T; ++t) {
+    const float* row = qkv.data() + size_t(t) * width;
+    std::copy_n(row, nh * D, eq.data() + size_t(t) * nh * D);
+    std::copy_n(row + nh * D, nkv * D, ek.data() + size_t(t) * nkv * D);
+    std::copy_n(row + (v_from_k ? nh : nh + nkv) * D, nkv * D, ev.data() + size_t(t) * nkv * D);
+  }
+  cpu::rms_norm(eq.data(), T * nh, D, qw.data(), eps, eq.data());
+  cpu::rms_norm(ek.data(), T * nkv, D, kw.data(), eps, ek.data());
+  cpu::rms_norm(ev.data(), T * nkv, D, nullptr, eps, ev.data());
+  cpu::rope(eq.data(), T, nh, D, pos.data(), rp);
+  cpu::rope(ek.data(), T, nkv, D, pos.data(), rp);
+  EXPECT_LE(rel_err(from_bf16(q.get()), eq), 1e-2) << "D " << D;
+  EXPECT_LE(rel_err(from_bf16(k.get()), ek), 1e-2) << "D " << D;
+  EXPECT_LE(rel_err(from_bf16(v.get()), ev), 1e-2) << "D " << D;
+}
+
+TEST(CudaKernels, QkvNormRope) {
+  REQUIRE_GPU();
+  check_qkv(5, 4, 2, 32, false, {10000.0f, 16, 32.0f}, 3);          // sliding: full rotary
+  check_qkv(7, 4, 1, 64, true, {1e6f, 8, 64.0f}, 1000);              // full: proportional partial rotary, V = raw k
+  check_qkv(3, 16, 2, 512, true, {1e6f, 64, 512.0f}, 33000);         // full-size full layer at a large position
+  check_qkv(3, 16, 8, 256, false, {10000.0f, 128, 256.0f}, 4097);   // full-size sliding layer
+}
+
+// Attention against cpu::attention on [ring window ; new] keys.
+void check_attention(int T, int nh, int nkv, int D, int64_t cap, int64_t first_pos, int64_t n_old, bool causal,
+                     int64_t window) {
+  auto q = rnd(size_t(T) * nh * D), kc = rnd(size_t(cap) * nkv * D), vc = rnd(kc.size()),
+       kn = rnd(size_t(T) * nkv * D), vn = rnd(kn.size());
+  Dev<bf16> dq(q.size()), dkc(kc.size()), dvc(vc.size()), dkn(kn.size()), dvn(vn.size()), out(q.size());
+  dq.put(to_bf16(q)), dkc.put(to_bf16(kc)), dvc.put(to_bf16(vc)), dkn.put(to_bf16(kn)), dvn.put(to_bf16(vn));
+  AttentionArgs a{dq.p, T, nh, nkv, D, dkc.p, dvc.p, cap, first_pos, n_old, dkn.p, dvn.p, T, first_pos + n_old,
+                  causal, window, out.p};
+  attention(a, nullptr);
+  const size_t row = size_t(nkv) * D;
+  const int64_t nk = n_old + T;
+  std::vector<float> K(size_t(nk) * row), Vv(K.size());
+  for (int64_t j = 0; j < n_old; ++j) {
+    const size_t slot = size_t((first_pos + j) % cap);
+    std::copy_n(kc.data() + slot * row, row, K.data() + size_t(j) * row);
+    std::copy_n(vc.data() + slot * row, row, Vv.data() + size_t(j) * row);
+  }
+  std::copy(kn.begin(), kn.end(), K.begin() + ptrdiff_t(size_t(n_old) * row));
+  std::copy(vn.begin(), vn.end(), Vv.begin() + ptrdiff_t(size_t(n_old) * row));
+  std::vector<int64_t> qpos(static_cast<size_t>(T));
+  std::iota(qpos.begin(), qpos.end(), first_pos + n_old);
+  cpu::AttentionMask m;
+  m.kind = causal ? cpu::AttentionMask::Causal : cpu::AttentionMask::Bidirectional;
+  m.window = window;
+  m.q_pos = qpos.data();
+  m.k_pos0 = first_pos;
+  std::vector<float> want(q.size());
+  ThreadPool pool(2);
+  cpu::attention(pool, q.data(), T, nh, K.data(), Vv.data(), nk, nkv, D, m, want.data());
+  EXPECT_LE(rel_err(from_bf16(out.get()), want), 2e-2) << "T " << T << " D " << D << " n_old " << n_old;
+}
+
+TEST(CudaKernels, Attention) {
+  REQUIRE_GPU();
+  check_attention(37, 4, 2, 16, 11, 20, 7, true, 8);       // tiny sliding prefill over a wrapped ring
+  check_attention(19, 4, 1, 32, 50, 0, 45, true, 0);       // full layer prefill after a cache
+  check_attention(33, 4, 2, 64, 23, 100, 23, false, 0);    // bidirectional denoise over a full ring
+  check_attention(70, 16, 8, 256, 1535, 3000, 1023, false, 0);  // full-size sliding denoise
+  check_attention(45, 16, 2, 512, 300, 0, 211, true, 0);   // full-size full layer, causal
+  check_attention(130, 16, 8, 256, 1535, 0, 5, true, 64);  // window inside the new chunk
+}
+
+TEST(CudaKernels, RouteTopK) {
+  REQUIRE_GPU();
+  const int T = 9, E = 37, k = 5;
+  auto logits = rnd(size_t(T) * E, -3, 3), pes = rnd(E, 0.5f, 1.5f);
+  for (int e = 0; e < E; ++e) logits[size_t(e)] = float(e % 3);  // row 0: many exact ties
+  Dev<float> dl(logits.size()), dp(E), w(size_t(T) * k);
+  Dev<int32_t> idx(size_t(T) * k);
+  dl.put(logits), dp.put(pes);
+  route_top_k(dl.p, T, E, k, dp.p, idx.p, w.p, nullptr);
+  auto gi = idx.get();
+  auto gw = w.get();
+  for (int t = 0; t < T; ++t) {
+    std::vector<int32_t> ei(static_cast<size_t>(k));
+    std::vector<float> ew(static_cast<size_t>(k));
+    cpu::route_top_k(logits.data() + size_t(t) * E, E, k, pes.data(), ei.data(), ew.data());
+    for (int j = 0; j < k; ++j) {
+      EXPECT_EQ(gi[size_t(t) * k + j], ei[size_t(j)]) << "token " << t << " slot " << j;
+      EXPECT_NEAR(gw[size_t(t) * k + j], ew[size_t(j)], 1e-5f);
+    }
+  }
+}
+
+TEST(CudaKernels, MoeGroupedExperts) {
+  REQUIRE_GPU();
+  for (auto [T, E, k, H, I] : {std::tuple{37, 6, 2, 40, 24}, std::tuple{300, 16, 4, 136, 72},
+                               std::tuple{40, 16, 8, 2816, 704}}) {
+    auto x = rnd(size_t(T) * H), gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
+    auto wts = rnd(size_t(T) * k, 0.1f, 1.0f);
+    std::vector<int32_t> idx(size_t(T) * k);
+    for (int t = 0; t < T; ++t) {  // k distinct experts per token; expert 1 unused when E > k + 1
+      std::vector<int32_t> pool;
+      for (int e = 0; e < E; ++e)
+        if (e != 1 || E <= k + 1) pool.push_back(e);
+      std::shuffle(pool.begin(), pool.end(), rng);
+      for (int j = 0; j < k; ++j) idx[size_t(t) * k + j] = pool[size_t(j)];
+    }
+    Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(idx.size() * H), act(idx.size() * I);
+    Dev<int32_t> didx(idx.size()), off(size_t(E) + 1), spos(idx.size());
+    Dev<float> y(idx.size() * H), dw(wts.size()), out(size_t(T) * H);
+    dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx), dw.put(wts);
+    moe_group(didx.p, T, k, E, dx.p, H, off.p, spos.p, xs.p, nullptr);
+    moe_gate_up(xs.p, off.p, E, T * k, dgu.p, H, I, act.p, nullptr);
+    moe_down(act.p, off.p, E, T * k, ddn.p, H, I, y.p, nullptr);
+    moe_combine(y.p, didx.p, dw.p, spos.p, T, k, H, out.p, nullptr);
+    auto offs = off.get();
+    EXPECT_EQ(offs[size_t(E)], T * k);
+    std::vector<float> want(size_t(T) * H, 0.0f), g(size_t(2) * I), a(static_cast<size_t>(I));
+    for (int t = 0; t < T; ++t) {
+      std::vector<int> order(static_cast<size_t>(k));
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int p, int q) { return idx[size_t(t) * k + p] < idx[size_t(t) * k + q]; });
+      for (int j : order) {
+        const int e = idx[size_t(t) * k + j];
+        for (int o = 0; o < 2 * I; ++o) {
+          double s = 0;
+          for (int i = 0; i < H; ++i) s += double(x[size_t(t) * H + i]) * gu[(size_t(e) * 2 * I + o) * H + i];
+          g[size_t(o)] = float(s);
+        }
+        for (int i = 0; i < I; ++i) a[size_t(i)] = round_to_bf16(cpu::gelu_tanh(g[size_t(i)]) * g[size_t(I + i)]);
+        for (int o = 0; o < H; ++o) {
+          double s = 0;
+          for (int i = 0; i < I; ++i) s += double(a[size_t(i)]) * dn[(size_t(e) * H + o) * I + i];
+          want[size_t(t) * H + o] += wts[size_t(t) * k + j] * float(s);
+        }
+      }
+    }
+    EXPECT_LE(rel_err(out.get(), want), 1e-2) << "T " << T << " E " << E << " H " << H;
+  }
+}
+
+TEST(CudaKernels, SoftcapRowStats) {
+  REQUIRE_GPU();
+  const int rows = 4, V = 5003;
+  auto logits = rnd(size_t(rows) * V, -60, 60);
+  for (int i = 0; i < V; ++i) logits[size_t(V) + size_t(i)] = float(i % 7);  // row 1: ties of the max
+  logits[size_t(3) * V + 4000] = 500.0f;                                      // row 3: near one-hot
+  Dev<float> dl(logits.size());
+  Dev<DeviceRowStats> st(rows);
+  dl.put(logits);
+  const float T = 0.61f;
+  softcap_row_stats(dl.p, rows, V, 30.0f, T, st.p, nullptr);
+  auto capped = dl.get();
+  auto want_capped = logits;
+  cpu::softcap(want_capped.data(), int64_t(want_capped.size()), 30.0f);
+  EXPECT_LE(rel_err(capped, want_capped), 1e-6);
+  auto got = st.get();
+  for (int r = 0; r < rows; ++r) {
+    // Stats from the device's own softcapped row, so only the reduction is under test here.
+    RowStats w = compute_row_stats(capped.data() + size_t(r) * V, V, T);
+    EXPECT_EQ(got[size_t(r)].argmax, w.argmax) << "row " << r;
+    EXPECT_FLOAT_EQ(got[size_t(r)].max_z, w.max_z);
+    EXPECT_NEAR(got[size_t(r)].logsumexp, w.logsumexp, 1e-5 * std::max(1.0f, std::fabs(w.logsumexp)));
+    EXPECT_NEAR(got[size_t(r)].entropy, w.entropy, 1e-5 * std::max(1.0f, w.entropy)) << "row " << r;
+  }
+}
+
+TEST(CudaKernels, SoftEmbeddingAndGemm) {
+  REQUIRE_GPU();
+  const int L = 5, V = 777, H = 40;
+  auto z = rnd(size_t(L) * V, -8, 8), E = rnd(size_t(V) * H);
+  Dev<float> dz(z.size()), sig(size_t(L) * H);
+  Dev<bf16> dE(E.size()), probs(z.size());
+  dz.put(z), dE.put(to_bf16(E));
+  softmax_rows_bf16(dz.p, L, V, 0.7f, probs.p, nullptr);
+  Gemm gemm;
+  gemm.through_table(probs.p, Dt::BF16, L, dE.p, Dt::BF16, V, H, sig.p, Dt::F32, nullptr);
+  std::vector<float> p(z.size()), want(sig.n);
+  for (int r = 0; r < L; ++r) {
+    float mx = -INFINITY;
+    for (int i = 0; i < V; ++i) mx = std::max(mx, z[size_t(r) * V + i] / 0.7f);
+    double s = 0;
+    for (int i = 0; i < V; ++i) s += std::exp(double(z[size_t(r) * V + i] / 0.7f) - mx);
+    for (int i = 0; i < V; ++i) p[size_t(r) * V + i] = float(std::exp(double(z[size_t(r) * V + i] / 0.7f) - mx) / s);
+  }
+  EXPECT_LE(rel_err(from_bf16(probs.get()), p), 8e-3);
+  ThreadPool pool(2);
+  cpu::WeightMatrix wm{DType::F32, reinterpret_cast<const uint8_t*>(E.data()), V, H};
+  cpu::matmul_w(pool, p.data(), L, wm, want.data());
+  EXPECT_LE(rel_err(sig.get(), want), 1e-2);
+
+  // linear: bf16 and f32 operands
+  const int T = 13, out = 70, in = 48;
+  auto x = rnd(size_t(T) * in), W = rnd(size_t(out) * in);
+  Dev<float> x32(x.size()), W32(W.size()), y32(size_t(T) * out);
+  Dev<bf16> x16(x.size()), W16(W.size()), y16(size_t(T) * out);
+  x16.put(to_bf16(x)), W16.put(to_bf16(W)), x32.put(x), W32.put(W);
+  std::vector<float> wy(y32.n);
+  cpu::WeightMatrix wW{DType::F32, reinterpret_cast<const uint8_t*>(W.data()), out, in};
+  cpu::matmul_wt(pool, x.data(), T, wW, wy.data());
+  gemm.linear(x16.p, Dt::BF16, T, W16.p, Dt::BF16, out, in, y16.p, Dt::BF16, nullptr);
+  gemm.linear(x32.p, Dt::F32, T, W32.p, Dt::F32, out, in, y32.p, Dt::F32, nullptr);
+  EXPECT_LE(rel_err(from_bf16(y16.get()), wy), 8e-3);
+  EXPECT_LE(rel_err(y32.get(), wy), 1e-5);
+}
+
+TEST(CudaKernels, KvWriteRing) {
+  REQUIRE_GPU();
+  const int T = 7, row = 24;
+  const int64_t cap = 5, pos0 = 9;
+  auto k = rnd(size_t(T) * row), v = rnd(k.size());
+  Dev<bf16> dk(k.size()), dv(v.size()), kc(size_t(cap) * row), vc(size_t(cap) * row);
+  dk.put(to_bf16(k)), dv.put(to_bf16(v));
+  kv_write(dk.p, dv.p, T, row, pos0, kc.p, vc.p, cap, nullptr);
+  auto gk = from_bf16(kc.get()), gv = from_bf16(vc.get());
+  for (int t = T - int(cap); t < T; ++t) {  // the last cap rows survive, at slot pos % cap
+    const size_t slot = size_t((pos0 + t) % cap);
+    for (int i = 0; i < row; ++i) {
+      EXPECT_EQ(gk[slot * row + i], k[size_t(t) * row + i]);
+      EXPECT_EQ(gv[slot * row + i], v[size_t(t) * row + i]);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dg::cuda
+#endif  // DIFFGEMMA_WITH_CUDA

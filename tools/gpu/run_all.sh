@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The one script for the GPU machine: CUDA kernel tests, CUDA-vs-CPU parity on the tiny fixtures, the bench at full
+# size (synthetic weights), optionally HF transformers on the same shapes. Logs go under $OUT; a short table last.
+# Build and pack here first (tools/gpu/package.sh), then run with build-gpu-dist carried:
+#   run(command="bash tools/gpu/run_all.sh", carry=["build-gpu-dist"])
+# HF=1 also times transformers (tools/reference/bench_hf.py, ~5 minutes).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+DIST=${DIST:-build-gpu-dist}
+OUT=${OUT:-/tmp/diffgemma-out}
+mkdir -p "$OUT"
+# The test binary has the fixtures' absolute path of the build machine compiled in.
+if [ ! -e /work/main/tests/fixtures ]; then mkdir -p /work && ln -sfn "$PWD" /work/main; fi
+cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublasLt.so.13*' 2>/dev/null | head -1)
+# Only for our binaries: the carried libstdc++ must not shadow the image's for python3.
+LIBS="$PWD/$DIST/lib:$(dirname "${cublas:-/nonexistent/x}"):${LD_LIBRARY_PATH:-}"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(date -u +%FT%TZ)" | tee "$OUT/summary.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv | tee -a "$OUT/summary.txt"
+
+LD_LIBRARY_PATH="$LIBS" "$DIST/diffgemma_tests" --gtest_filter='CudaKernels.*' >"$OUT/kernels.log" 2>&1
+k_rc=$?
+LD_LIBRARY_PATH="$LIBS" "$DIST/diffgemma_tests" --gtest_filter='CudaParity.*' >"$OUT/parity.log" 2>&1
+p_rc=$?
+LD_LIBRARY_PATH="$LIBS" timeout 400 "$DIST/diffgemma" bench --json >"$OUT/bench.json" 2>"$OUT/bench.log"
+b_rc=$?
+h_rc=skipped
+if [ "${HF:-0}" = 1 ]; then
+  PYTHONUNBUFFERED=1 timeout "${HF_TIMEOUT:-300}" python3 tools/reference/bench_hf.py >"$OUT/hf.log" 2>&1
+  h_rc=$?
+fi
+
+{
+  echo "== kernel tests (rc $k_rc)"; grep -E '^\[  (FAILED|  OK|SKIPPED) \]|PASSED|FAILED  ' "$OUT/kernels.log" | tail -20
+  grep -B2 -A6 'Failure' "$OUT/kernels.log" | head -60
+  echo "== parity (rc $p_rc)"; grep -E '^\[parity\]|^\[  (FAILED|  OK|SKIPPED) \]' "$OUT/parity.log"
+  grep -B2 -A6 'Failure' "$OUT/parity.log" | head -60
+  echo "== bench (rc $b_rc)"; cat "$OUT/bench.log"
+  echo "== hf (rc $h_rc)"; [ -f "$OUT/hf.log" ] && grep -E 'prefill_ms|step|fail|Error' "$OUT/hf.log" | tail -20
+} | tee -a "$OUT/summary.txt"
