@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -187,8 +188,9 @@ TEST(TokenizerVectors, ChatTemplateGoldens) {
         105, 4368, 107}},
       {"<bos><|turn>system\nYou are a pirate.<turn|>\n<|turn>user\nHello!<turn|>\n<|turn>model\nArr!<turn|>\n<|turn>"
        "user\nBye<turn|>\n<|turn>model\n<|channel>thought\n<channel|>",
-       {2,     105, 9731, 107, 3048, 659, 496, 72650, 236761, 106, 107,   105, 2364,  107, 9259, 236888, 106, 107, 105,
-        4368,  107, 15581, 236888, 106, 107, 105, 2364, 107, 98874, 106, 107, 105, 4368, 107,  100,    45518, 107, 101}},
+       {2,     105, 9731, 107,   3048,   659, 496, 72650, 236761, 106, 107,   105, 2364, 107, 9259, 236888, 106, 107,
+        105,   4368, 107,  15581, 236888, 106, 107,   105,    2364, 107, 98874, 106, 107,  105, 4368, 107,    100,
+        45518, 107,  101}},
       {"<bos><|turn>user\nweather?<turn|>\n<|turn>model\n<|channel>thought\nI should call the tool\n<channel|>"
        "<|tool_call>call:get_weather{location:<|\"|>Tokyo<|\"|>}<tool_call|><|tool_response>response:get_weather{"
        "value:<|\"|>Sunny<|\"|>}<tool_response|>It is sunny.<turn|>\n",
@@ -246,6 +248,19 @@ TEST(TokenizerVectors, LeftmostLongestAddedTokenMatch) {
   EXPECT_EQ(t.encode("<|tool_call><|tool>"), (V{48, 46}));
   EXPECT_EQ(t.encode("<|tool_response>"), (V{50}));
   EXPECT_EQ(t.encode("<|image|><|image>"), (V{258880, 255999}));
+}
+
+TEST(TokenizerVectors, MatchAddedTokenIsLeftmostLongest) {
+  const Tokenizer& t = gemma();
+  TokenId id = -1;
+  std::string text = "x<|tool_call>y";
+  EXPECT_EQ(t.match_added_token(text, 0, id), 0u);
+  EXPECT_EQ(t.match_added_token(text, 1, id), std::string("<|tool_call>").size());
+  EXPECT_EQ(id, 48);
+  EXPECT_EQ(t.match_added_token("<|tool>", 0, id), 7u);
+  EXPECT_EQ(id, 46);
+  EXPECT_EQ(t.match_added_token("<|tur", 0, id), 0u);
+  EXPECT_EQ(t.match_added_token("abc", 3, id), 0u);
 }
 
 TEST(TokenizerVectors, RejectsInvalidUtf8Input) {
@@ -424,7 +439,8 @@ void expect_load_error(const std::string& text, const std::vector<std::string>& 
   } catch (const dg::Error& e) {
     std::string msg = e.what();
     EXPECT_NE(msg.find("broken.json"), std::string::npos) << msg;
-    for (const std::string& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
+    for (const std::string& f : fragments)
+      EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
   }
 }
 
@@ -482,5 +498,61 @@ TEST(TokenizerLoad, CorruptXzGivesClearError) {
   }
   EXPECT_THROW(Tokenizer::from_file(dir.path / "missing.json"), dg::Error);
 }
+
+// ---- CLI ---------------------------------------------------------------------------------------------------------
+
+#ifdef DIFFGEMMA_BINARY
+struct CommandResult {
+  std::string output;
+  int status;
+};
+
+CommandResult run_command(const std::string& command) {
+  CommandResult result{"", -1};
+  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
+  if (!pipe) return result;
+  char buffer[4096];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0;) result.output.append(buffer, n);
+  result.status = ::pclose(pipe);
+  return result;
+}
+
+std::string tokenizer_arg() {
+  return std::string(" --tokenizer '") + (kFixtureDir / "tokenizer.json.xz").string() + "'";
+}
+
+TEST(TokenizerCli, TokenizeParsesSpecialTokensLikeHf) {
+  // The single-quoted shell argument carries a real newline.
+  CommandResult r = run_command(std::string(DIFFGEMMA_BINARY) + " tokenize" + tokenizer_arg() +
+                                " --text '<|turn>user\nWrite a long essay about Portugal.<turn|>'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output, "[105,2364,107,6974,496,1440,20494,1003,23613,236761,106]\n");
+}
+
+TEST(TokenizerCli, TokenizeStdinWithSpecialAddsBos) {
+  TempDir dir;
+  fs::copy_file(kFixtureDir / "tokenizer.json.xz", dir.path / "tokenizer.json.xz");
+  CommandResult r = run_command("printf 'Hello,\\n' | " + std::string(DIFFGEMMA_BINARY) + " tokenize -m '" +
+                                dir.path.string() + "' --special");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output, "[2,9259,236764,107]\n");
+}
+
+TEST(TokenizerCli, DetokenizeRoundTripsAndSkipsSpecials) {
+  CommandResult r = run_command(std::string(DIFFGEMMA_BINARY) + " detokenize" + tokenizer_arg() +
+                                " --ids 2,9259,236764,478,385,366,366");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output, "<bos>Hello,𓀀");
+  r = run_command(std::string(DIFFGEMMA_BINARY) + " detokenize" + tokenizer_arg() + " --skip-special --ids 2,9259");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output, "Hello");
+}
+
+TEST(TokenizerCli, DetokenizeRejectsUnknownIds) {
+  CommandResult r = run_command(std::string(DIFFGEMMA_BINARY) + " detokenize" + tokenizer_arg() + " --ids 1,999999");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("999999"), std::string::npos) << r.output;
+}
+#endif
 
 }  // namespace

@@ -78,7 +78,8 @@ const CommandRegistrar kTokenizeRegistrar{
       auto args = std::make_shared<TokenizeArgs>();
       add_tokenizer_options(sub, args->source);
       auto* text = sub.add_option("--text", args->text, "Text to tokenize (default: read all of stdin)");
-      sub.add_flag("--special", args->add_special, "Add the special tokens HF adds with add_special_tokens=True (<bos>)");
+      sub.add_flag("--special", args->add_special,
+                   "Add the special tokens HF adds with add_special_tokens=True (<bos>)");
       return [args, text] {
         args->have_text = text->count() > 0;
         return run_tokenize(*args);

@@ -307,6 +307,12 @@ std::string Tokenizer::decode(std::span<const TokenId> ids, bool skip_special) c
   return out;
 }
 
+size_t Tokenizer::match_added_token(std::string_view text, size_t pos, TokenId& id) const {
+  const AddedTokenTrie& trie = impl_->added_trie;
+  if (pos >= text.size() || trie.empty() || !trie.may_start_with(uint8_t(text[pos]))) return 0;
+  return trie.longest_match(text, pos, id);
+}
+
 size_t Tokenizer::vocab_size() const { return impl_->id_count(); }
 
 std::optional<TokenId> Tokenizer::token_to_id(std::string_view token) const {

@@ -52,6 +52,10 @@ class Tokenizer {
   TokenId eos_id() const;
   TokenId pad_id() const;
 
+  // Longest added token (e.g. "<|turn>") starting exactly at text[pos], as the encoder's leftmost-longest split sees
+  // it: returns its byte length and sets `id`, or returns 0. Lets callers mix trusted markup with untrusted text.
+  size_t match_added_token(std::string_view text, size_t pos, TokenId& id) const;
+
   // Decoding building blocks, shared with IncrementalDecoder.
   bool is_valid_id(TokenId id) const;
   // Byte value of a byte-fallback token such as "<0xE2>", or -1.
