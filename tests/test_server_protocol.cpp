@@ -68,6 +68,11 @@ TEST(ServerProtocol, RejectsBadBodiesNamingTheField) {
     EXPECT_EQ(e->status, 400);
     EXPECT_EQ(e->code, "invalid_json");
   }
+  for (const char* body : {"1e999", "{\"messages\":[],\"seed\":1e400}", "", "\xff"}) {
+    auto e = chat_error(body);
+    ASSERT_TRUE(e) << body;
+    EXPECT_EQ(e->code, "invalid_json") << body;
+  }
   expect_bad("[1,2]", "", "invalid_type");
   expect_bad("{}", "messages", "missing_required_parameter");
   expect_bad(R"({"messages":"hi"})", "messages", "invalid_type");

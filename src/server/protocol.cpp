@@ -203,18 +203,17 @@ Json error_body(const ApiError& e) {
 }
 
 Json parse_body(const std::string& body) {
-  Json j = Json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) {
-    // Re-parse with exceptions only to report where the JSON breaks.
-    std::string where;
-    try {
-      (void)Json::parse(body);
-    } catch (const Json::parse_error& e) {
-      where = format(" (byte {})", e.byte);
-    }
-    throw ApiError(400, "invalid_request_error", "the request body is not valid JSON" + where, "", "invalid_json");
+  // nlohmann reports syntax errors as parse_error but a number beyond double range (1e999) as out_of_range; both
+  // are the client's malformed JSON.
+  try {
+    return Json::parse(body);
+  } catch (const Json::parse_error& e) {
+    throw ApiError(400, "invalid_request_error", format("the request body is not valid JSON (byte {})", e.byte), "",
+                   "invalid_json");
+  } catch (const Json::exception& e) {
+    throw ApiError(400, "invalid_request_error", format("the request body is not valid JSON: {}", e.what()), "",
+                   "invalid_json");
   }
-  return j;
 }
 
 ChatRequest parse_chat_request(const Json& body) {
