@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --
 
 LD_LIBRARY_PATH="$LIBS" "$DIST/diffgemma_tests" --gtest_filter='CudaKernels.*' >"$OUT/kernels.log" 2>&1
 k_rc=$?
-LD_LIBRARY_PATH="$LIBS" "$DIST/diffgemma_tests" --gtest_filter='CudaParity.*' >"$OUT/parity.log" 2>&1
+LD_LIBRARY_PATH="$LIBS" "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*' >"$OUT/parity.log" 2>&1
 p_rc=$?
 LD_LIBRARY_PATH="$LIBS" timeout 400 "$DIST/diffgemma" bench --json >"$OUT/bench.json" 2>"$OUT/bench.log"
 b_rc=$?

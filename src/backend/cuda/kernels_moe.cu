@@ -123,15 +123,19 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm_k(const bf16* X, const 
 #pragma unroll
     for (int i = 0; i < GM / 16; ++i) wmma::fill_fragment(acc[i], 0.0f);
     const int m_valid = min(GM, end - m0);
-    for (int k0 = 0; k0 < K; k0 += GK) {
-      for (int i = tid; i < GM * (GK / 8); i += kGemmThreads) {
-        const int r = i / (GK / 8), c = i % (GK / 8), kc = k0 / 8 + c;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (r < m_valid && kc < kvec) v = reinterpret_cast<const uint4*>(X + size_t(m0 + r) * K)[kc];
-        reinterpret_cast<uint4*>(Xs + r * LDX)[c] = v;
+    // Register double buffering: the next k-tile's global loads are in flight while this tile's MMAs run.
+    constexpr int XV = GM * (GK / 8) / kGemmThreads, WV = GN * (GK / 8) / kGemmThreads;
+    uint4 rx[XV], rw[WV];
+    auto gload = [&](int k0) {
+#pragma unroll
+      for (int u = 0; u < XV; ++u) {
+        const int i = tid + u * kGemmThreads, r = i / (GK / 8), c = i % (GK / 8), kc = k0 / 8 + c;
+        rx[u] = make_uint4(0, 0, 0, 0);
+        if (r < m_valid && kc < kvec) rx[u] = reinterpret_cast<const uint4*>(X + size_t(m0 + r) * K)[kc];
       }
-      for (int i = tid; i < GN * (GK / 8); i += kGemmThreads) {
-        const int r = i / (GK / 8), c = i % (GK / 8), kc = k0 / 8 + c;
+#pragma unroll
+      for (int u = 0; u < WV; ++u) {
+        const int i = tid + u * kGemmThreads, r = i / (GK / 8), c = i % (GK / 8), kc = k0 / 8 + c;
         int wr;
         bool ok;
         if (GATED) {
@@ -142,11 +146,24 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm_k(const bf16* X, const 
           wr = n0 + r;
           ok = wr < N;
         }
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (ok && kc < kvec) v = reinterpret_cast<const uint4*>(We + size_t(wr) * K)[kc];
-        reinterpret_cast<uint4*>(Ws + r * LDX)[c] = v;
+        rw[u] = make_uint4(0, 0, 0, 0);
+        if (ok && kc < kvec) rw[u] = reinterpret_cast<const uint4*>(We + size_t(wr) * K)[kc];
+      }
+    };
+    gload(0);
+    for (int k0 = 0; k0 < K; k0 += GK) {
+#pragma unroll
+      for (int u = 0; u < XV; ++u) {
+        const int i = tid + u * kGemmThreads;
+        reinterpret_cast<uint4*>(Xs + (i / (GK / 8)) * LDX)[i % (GK / 8)] = rx[u];
+      }
+#pragma unroll
+      for (int u = 0; u < WV; ++u) {
+        const int i = tid + u * kGemmThreads;
+        reinterpret_cast<uint4*>(Ws + (i / (GK / 8)) * LDX)[i % (GK / 8)] = rw[u];
       }
       __syncthreads();
+      if (k0 + GK < K) gload(k0 + GK);
 #pragma unroll
       for (int kk = 0; kk < GK; kk += 16) {
         wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb;
