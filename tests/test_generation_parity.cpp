@@ -72,7 +72,7 @@ CaseRun run_case(const LoadedModel& lm, const json& c, int threads) {
 }
 
 // Runs every fixture case selected by `pick` and requires HF's exact tokens and steps per canvas.
-void expect_cases_match(const std::function<bool(const json&)>& pick) {
+void expect_cases_match(const std::function<bool(const std::string& model, const json&)>& pick) {
   int checked = 0;
   for (const auto& file : fixture_files()) {
     SCOPED_TRACE(file.string());
@@ -81,7 +81,7 @@ void expect_cases_match(const std::function<bool(const json&)>& pick) {
     ASSERT_EQ(lm->config.vocab_size, fx.at("vocab_size").get<int>());
     ASSERT_EQ(lm->config.canvas_length, fx.at("canvas_length").get<int>());
     for (const json& c : fx.at("cases")) {
-      if (!pick(c)) continue;
+      if (!pick(fx.at("model").get<std::string>(), c)) continue;
       SCOPED_TRACE(c.at("name").get<std::string>());
       // The float32 divisor HF applied at each step of the first canvas: pins the schedule's rounding separately
       // from the forward pass, so a schedule bug cannot hide behind a token mismatch.
@@ -114,17 +114,17 @@ bool single_step_canvases(const json& c) {
 // step), Gumbel draws, the stop rule, the float32 schedule, block commits, stop-id trimming and the budget cut.
 TEST(GenerationParity, SingleStepCanvasesMatchPatchedHfExactly) {
   if (fixture_files().empty()) GTEST_SKIP() << "no " << (kFixtures / "generation") << "/*.json (make_generation_fixtures.py)";
-  expect_cases_match(single_step_canvases);
+  expect_cases_match([](const std::string&, const json& c) { return single_step_canvases(c); });
 }
 
-// Multi-step trajectories feed each step's logits back through self-conditioning. On these random tiny models that
-// path is chaotic: perturbing 1/7 of the SC logits by 1e-7 (relative) already changes most output tokens of
-// tiny-b, so last-bit differences between torch's and our f32 softmax/GEMM summation orders (MoE routing near-ties)
-// decide the result, and the comparison says nothing about the loop. Disabled until the fixtures carry per-step
-// HF row statistics for a teacher-forced replay; run with --gtest_also_run_disabled_tests to see the divergence.
-TEST(GenerationParity, DISABLED_MultiStepTrajectoriesMatchPatchedHf) {
+// Multi-step trajectories feed each step's logits back through self-conditioning. On the random tiny models
+// tiny-a/b/v that feedback loop is expansive: perturbing the SC logits by 1e-7 (relative) changes most output tokens,
+// so last-bit differences between torch's and our f32 summation orders decide the result. tiny-g is the same kind of
+// model with its SC MLP output damped (x0.02, tools/reference/make_fixtures.py), which makes the loop contractive
+// (1e-6 perturbations change nothing), so there every multi-step case must match HF token for token.
+TEST(GenerationParity, MultiStepTrajectoriesMatchPatchedHfOnContractiveModel) {
   if (fixture_files().empty()) GTEST_SKIP() << "no generation fixtures yet";
-  expect_cases_match([](const json& c) { return !single_step_canvases(c); });
+  expect_cases_match([](const std::string& model, const json& c) { return model == "tiny-g" && !single_step_canvases(c); });
 }
 
 TEST(GenerationParity, BitIdenticalAcrossThreadCountsAndRuns) {

@@ -14,7 +14,7 @@
 namespace dg {
 namespace {
 
-const char* kFixtures[] = {"tiny-a", "tiny-b", "tiny-v"};
+const char* kFixtures[] = {"tiny-a", "tiny-b", "tiny-v", "tiny-g"};
 
 struct Reference {
   std::unique_ptr<SafetensorsFile> file;
