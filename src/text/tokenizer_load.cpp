@@ -252,7 +252,7 @@ class Loader {
   Loader(std::string_view text, const std::string& source) : scan_(text, source), source_(source), text_(text) {}
 
   std::unique_ptr<Tokenizer::Impl> load() {
-    if (!is_valid_utf8(scan_text())) fail("{}: not valid UTF-8; a tokenizer.json is always UTF-8 text", source_);
+    if (!is_valid_utf8(text_)) fail("{}: not valid UTF-8; a tokenizer.json is always UTF-8 text", source_);
     impl_ = std::make_unique<Tokenizer::Impl>();
     impl_->source = source_;
     scan_top_level();
@@ -274,8 +274,6 @@ class Loader {
   }
 
  private:
-  std::string_view scan_text() const { return text_; }
-
   // ---- top-level scan: vocab/merges spans are remembered, everything else becomes small nlohmann values ----
   void scan_top_level() {
     scan_.expect('{', "at the start of the file");
