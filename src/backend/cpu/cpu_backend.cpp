@@ -104,7 +104,12 @@ class CpuBackend final : public Backend {
     std::vector<int64_t> pos(static_cast<size_t>(T));
     for (int64_t t = 0; t < T; ++t) pos[size_t(t)] = kv_len_ + t;
     std::vector<float> h = embed(ids);
-    for (int l = 0; l < cfg_.num_layers; ++l) layer(l, Pass::Encoder, h.data(), T, pos.data());
+    if (trace_) trace_->stages.clear();
+    trace_stage(h);
+    for (int l = 0; l < cfg_.num_layers; ++l) {
+      layer(l, Pass::Encoder, h.data(), T, pos.data());
+      trace_stage(h);
+    }
     kv_len_ += T;  // the encoder's final norm output is unused for generation
   }
 
@@ -141,10 +146,16 @@ class CpuBackend final : public Backend {
       for (size_t i = 0; i < e.size(); ++i) e[i] += sc[i];
     }
     cpu::rms_norm(e.data(), L, H, nullptr, cfg_.rms_norm_eps, e.data());
+    if (trace_) trace_->stages.clear();
+    trace_stage(e);
 
-    for (int l = 0; l < cfg_.num_layers; ++l) layer(l, Pass::Decoder, e.data(), L, pos.data());
+    for (int l = 0; l < cfg_.num_layers; ++l) {
+      layer(l, Pass::Decoder, e.data(), L, pos.data());
+      trace_stage(e);
+    }
 
     cpu::rms_norm(e.data(), L, H, final_norm_.data(), cfg_.rms_norm_eps, e.data());
+    trace_stage(e);
     std::vector<float> logits(size_t(L * V));
     cpu::matmul_wt(pool_, e.data(), L, WeightMatrix::of(*w_.embed), logits.data());
     out.rows.resize(size_t(L));
@@ -165,7 +176,18 @@ class CpuBackend final : public Backend {
       out.logits.clear();
   }
 
+  void set_layer_trace(LayerTrace* trace) override { trace_ = trace; }
+
  private:
+  // Records the residual as the next stage and, when replaying, continues from the other backend's value instead.
+  void trace_stage(std::vector<float>& h) {
+    if (!trace_) return;
+    const size_t s = trace_->stages.size();
+    trace_->stages.push_back(h);
+    if (trace_->replay && s < trace_->replay->size() && (*trace_->replay)[s].size() == h.size())
+      h = (*trace_->replay)[s];
+  }
+
   std::vector<float> embed(std::span<const int32_t> ids) const {
     const int64_t H = cfg_.hidden_size;
     // HF multiplies by sqrt(H) cast to the weight dtype of the running model; the CPU engine computes in f32.
@@ -361,6 +383,7 @@ class CpuBackend final : public Backend {
   int64_t kv_len_ = 0;
   std::vector<float> prev_tempered_;
   int64_t prev_tempered_rows_ = 0;
+  LayerTrace* trace_ = nullptr;
 };
 
 }  // namespace

@@ -164,10 +164,17 @@ class CudaBackend final : public Backend {
       fail("prefill of {} tokens would bring the context to {} positions; the CUDA backend was sized for {} "
            "(CudaOptions::max_context / --max-context)", ids.size(), kv_len_ + int64_t(ids.size()), opt_.max_context);
     check_ids(ids);
+    // Stages are only meaningful for a prefill that runs as one chunk.
+    const bool tracing = trace_ && ids.size() <= size_t(opt_.prefill_chunk);
+    if (trace_) trace_->stages.clear();
     for (size_t done = 0; done < ids.size();) {
       const int T = int(std::min<size_t>(size_t(opt_.prefill_chunk), ids.size() - done));
       embed(ids.subspan(done, size_t(T)));
-      for (int l = 0; l < cfg_.num_layers; ++l) layer(l, Pass::Encoder, T);
+      if (tracing) trace_stage(s_.h, T);
+      for (int l = 0; l < cfg_.num_layers; ++l) {
+        layer(l, Pass::Encoder, T);
+        if (tracing) trace_stage(s_.h, T);
+      }
       kv_len_ += T;
       done += size_t(T);
     }
@@ -214,7 +221,18 @@ class CudaBackend final : public Backend {
       cuda::add_bf16_to_f32(s_.h, s_.a, size_t(L) * H, stream_);
     }
     cuda::rms_norm_f32_to_f32(s_.h, L, H, nullptr, eps, s_.h, stream_);
-    for (int l = 0; l < cfg_.num_layers; ++l) layer(l, Pass::Decoder, L);
+    if (trace_) {
+      trace_->stages.clear();
+      trace_stage(s_.h, L);
+    }
+    for (int l = 0; l < cfg_.num_layers; ++l) {
+      layer(l, Pass::Decoder, L);
+      if (trace_) trace_stage(s_.h, L);
+    }
+    if (trace_) {  // the final norm in f32 (the lm_head reads its bf16 rounding)
+      cuda::rms_norm_f32_to_f32(s_.h, L, H, final_norm_, eps, s_.xr, stream_);
+      trace_stage(s_.xr, L);
+    }
     cuda::rms_norm_f32_to_bf16(s_.h, L, H, final_norm_, eps, s_.x, stream_);
     gemm_->linear(s_.x, Dt::BF16, L, embed_, Dt::BF16, V, H, s_.logits, Dt::F32, stream_);
     cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats, stream_);
@@ -236,7 +254,17 @@ class CudaBackend final : public Backend {
     prev_temperature_ = req.temperature;
   }
 
+  void set_layer_trace(LayerTrace* trace) override { trace_ = trace; }
+
  private:
+  // Debug path only: synchronizes the stream.
+  void trace_stage(const float* dev, int T) {
+    std::vector<float> v(size_t(T) * size_t(cfg_.hidden_size));
+    CUDA_CHECK(cudaMemcpyAsync(v.data(), dev, v.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    trace_->stages.push_back(std::move(v));
+  }
+
   void check_ids(std::span<const int32_t> ids) const {
     for (size_t t = 0; t < ids.size(); ++t)
       if (ids[t] < 0 || ids[t] >= cfg_.vocab_size)
@@ -521,6 +549,7 @@ class CudaBackend final : public Backend {
   int64_t kv_len_ = 0;
   int prev_rows_ = 0;
   float prev_temperature_ = 1.0f;
+  LayerTrace* trace_ = nullptr;
 };
 
 }  // namespace
