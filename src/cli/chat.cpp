@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <iostream>
 
-#include "backend/cpu/cpu_backend.h"
+#include "cli/backend_select.h"
 #include "cli/command.h"
 #include "server/text_stream.h"
 #include "session/session.h"
@@ -28,6 +28,7 @@ struct ChatArgs {
   int max_steps = 0;  // 0: the model's generation_config
   uint64_t seed = 0;
   int threads = 0;
+  std::string backend = "auto";
   bool thinking = false;
   bool no_live = false;
 };
@@ -70,8 +71,7 @@ int run_chat(const ChatArgs& a) {
   auto tok = a.tokenizer_path.empty() ? text::Tokenizer::from_model_dir(a.model_dir)
                                       : text::Tokenizer::from_file(a.tokenizer_path);
   const LoadedModel* m = model.get();
-  const int threads = a.threads;
-  session::SessionPool pool([m, threads] { return make_cpu_backend(*m, threads); }, 1,
+  session::SessionPool pool(make_backend_factory(a.backend, *m, a.threads), 1,
                             [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); });
   const bool live = !a.no_live && isatty(STDOUT_FILENO);
   std::string system = a.system;
@@ -224,6 +224,7 @@ const CommandRegistrar kRegistrar{
       sub.add_option("-m,--model", a->model_dir, "Model directory (HF snapshot)")->required();
       sub.add_option("--tokenizer", a->tokenizer_path, "tokenizer.json(.xz) when the model directory has none");
       sub.add_option("--system", a->system, "System prompt");
+      sub.add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)");
       sub.add_option("--max-tokens", a->max_tokens, "Longest reply in tokens");
       sub.add_option("--max-steps", a->max_steps, "Denoising steps per block (default: generation_config)");
       sub.add_option("--seed", a->seed, "Seed of the first turn (each turn adds 1)");

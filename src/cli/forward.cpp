@@ -4,7 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
-#include "backend/cpu/cpu_backend.h"
+#include "cli/backend_select.h"
 #include "cli/command.h"
 #include "model/weights.h"
 #include "util/error.h"
@@ -13,7 +13,7 @@ namespace dg::cli {
 namespace {
 
 struct ForwardArgs {
-  std::string model_dir, prompt_ids, canvas_ids;
+  std::string model_dir, prompt_ids, canvas_ids, backend = "cpu";
   float temperature = 1.0f;
   int threads = 0;
   bool json = false;
@@ -24,7 +24,7 @@ int run_forward(const ForwardArgs& a) {
   auto canvas = parse_id_list(a.canvas_ids, "--canvas-ids");
   if (canvas.empty()) fail("--canvas-ids: give at least one canvas token id");
   auto model = load_model(a.model_dir);
-  auto backend = make_cpu_backend(*model, a.threads);
+  auto backend = make_backend_factory(a.backend, *model, a.threads)();
   backend->prefill(prompt);
   DenoiseRequest req;
   req.canvas = canvas;
@@ -46,7 +46,7 @@ int run_forward(const ForwardArgs& a) {
                     {"entropy", res.rows[r].entropy}});
   }
   if (a.json) {
-    std::printf("%s\n", nlohmann::json{{"kv_len", backend->kv_len()}, {"temperature", a.temperature}, {"rows", rows}}
+    std::printf("%s\n", nlohmann::json{{"kv_len", backend->kv_len()}, {"backend", backend->name()}, {"temperature", a.temperature}, {"rows", rows}}
                             .dump()
                             .c_str());
     return 0;
@@ -68,6 +68,7 @@ CommandRegistrar reg("forward", "Prefill prompt ids, denoise one canvas, print t
                        sub.add_option("--canvas-ids", a->canvas_ids, "Comma-separated canvas token ids")->required();
                        sub.add_option("--temperature", a->temperature, "Temperature for the reported entropy");
                        sub.add_option("--threads", a->threads, "CPU threads (0: all cores)");
+                       sub.add_option("--backend", a->backend, "cpu (default), cuda or auto");
                        sub.add_flag("--json", a->json, "Print JSON");
                        return [a] { return run_forward(*a); };
                      });

@@ -1,13 +1,17 @@
-// diffgemma generate: block-diffusion generation on the CPU backend (src/diffusion), text or ids in, text/JSON out.
+// diffgemma generate: block-diffusion generation (src/diffusion) on the CPU or CUDA backend; text or ids in,
+// text/JSON out. --prompt is wrapped in the chat template as one user turn unless --raw.
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "backend/cpu/cpu_backend.h"
+#include "cli/backend_select.h"
 #include "cli/command.h"
 #include "diffusion/generate.h"
 #include "model/weights.h"
+#include "server/text_stream.h"
+#include "text/chat_template.h"
+#include "text/output_parser.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
 
@@ -15,9 +19,10 @@ namespace dg::cli {
 namespace {
 
 struct GenerateArgs {
-  std::string model_dir, prompt, prompt_ids, sampler = "seed", stop_ids;
+  std::string model_dir, prompt, prompt_ids, sampler = "seed", stop_ids, backend = "auto", system;
   uint64_t seed = 0;
   int threads = 0;
+  bool raw = false, thinking = false;
   bool json = false, hf_exact = false, no_first_step_sc = false, no_pad_gate = false, freeze = false, trace = false;
   // Knobs that override generation_config.json / the seed defaults only when given.
   int max_new_tokens = 0, max_steps = 0, stability_threshold = 0, plateau_steps = 0, entropy_stop_min_steps = 0,
@@ -58,12 +63,21 @@ int run_generate(const GenerateArgs& a) {
   std::vector<int32_t> prompt;
   if (!a.prompt.empty()) {
     if (!tok) fail("generate: --prompt needs a tokenizer in {} ({}); pass --prompt-ids instead", a.model_dir, tok_error);
-    prompt = tok->encode(a.prompt, /*add_special_tokens=*/true);
+    if (a.raw) {
+      prompt = tok->encode(a.prompt, /*add_special_tokens=*/true);
+    } else {
+      nlohmann::json messages = nlohmann::json::array();
+      if (!a.system.empty()) messages.push_back({{"role", "system"}, {"content", a.system}});
+      messages.push_back({{"role", "user"}, {"content", a.prompt}});
+      text::ChatRenderOptions ro;
+      ro.enable_thinking = a.thinking;
+      prompt = server::encode_chat_segments(*tok, text::render_chat_segments(messages, nullptr, ro));
+    }
   } else {
     prompt = parse_id_list(a.prompt_ids, "--prompt-ids");
   }
 
-  auto backend = make_cpu_backend(*model, a.threads);
+  auto backend = make_backend_factory(a.backend, *model, a.threads)();
   diffusion::Observers obs;
   if (a.trace)
     obs.on_step = [](const diffusion::StepEvent& e) {
@@ -91,7 +105,17 @@ int run_generate(const GenerateArgs& a) {
                           {"finish_reason", diffusion::finish_reason_name(r.finish)},
                           {"blocks", blocks},
                           {"forwards", r.forwards},
-                          {"tokens_per_forward", r.tokens_per_forward()}};
+                          {"tokens_per_forward", r.tokens_per_forward()},
+                          {"backend", backend->name()},
+                          {"prompt_tokens", prompt.size()}};
+    if (text && !a.raw) {
+      text::ParsedOutput parsed = text::parse_output(*text);
+      out["content"] = parsed.content;
+      out["reasoning"] = parsed.reasoning;
+      nlohmann::json calls = nlohmann::json::array();
+      for (const auto& c : parsed.tool_calls) calls.push_back({{"name", c.name}, {"arguments", nlohmann::json::parse(c.arguments.dump())}});
+      out["tool_calls"] = calls;
+    }
     std::printf("%s\n", out.dump().c_str());
     return 0;
   }
@@ -116,12 +140,16 @@ void knob(CLI::App& sub, GenerateArgs& a, const std::string& name, T& slot, cons
 }
 
 CommandRegistrar reg(
-    "generate", "Generate with block diffusion (entropy-bound sampler) on the CPU backend",
+    "generate", "Generate with block diffusion (entropy-bound sampler)",
     [](CLI::App& sub) -> Action {
       auto a = std::make_shared<GenerateArgs>();
       using O = diffusion::GenerationOptions;
       sub.add_option("-m,--model", a->model_dir, "Hugging Face snapshot directory")->required();
-      sub.add_option("--prompt", a->prompt, "Prompt text (tokenized with <bos>; apply the chat template yourself)");
+      sub.add_option("--prompt", a->prompt, "Prompt text, sent as one user turn through the chat template");
+      sub.add_flag("--raw", a->raw, "Tokenize --prompt as is (with <bos>), without the chat template");
+      sub.add_option("--system", a->system, "System message for the chat template");
+      sub.add_flag("--thinking", a->thinking, "Render the chat template with enable_thinking");
+      sub.add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)");
       sub.add_option("--prompt-ids", a->prompt_ids, "Comma-separated prompt token ids, e.g. 2,105,2364");
       sub.add_option("--seed", a->seed, "Seed of the canvas/renoise stream (same seed, same output)");
       sub.add_option("--sampler", a->sampler, "seed: argmax denoiser (default); hf: categorical draws as HF");

@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
+#include "cli/backend_select.h"
 #include "cli/command.h"
 #include "model/weights.h"
 
@@ -9,7 +10,7 @@ namespace dg::cli {
 namespace {
 
 struct InfoArgs {
-  std::string model_dir;
+  std::string model_dir, backend = "auto";
   bool json = false;
 };
 
@@ -70,6 +71,7 @@ int run_info(const InfoArgs& a) {
                       {"kv_heads", l.n_kv_heads}, {"rope_theta", l.rope.theta},
                       {"rotated_pairs", l.rope.rotated_pairs}});
   j["layer_shapes"] = layers;
+  j["backend"] = resolve_backend(a.backend);
   if (a.json) {
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
@@ -95,6 +97,7 @@ int run_info(const InfoArgs& a) {
               j["memory_gib"]["bf16_dense_q4_experts"].get<double>());
   std::printf("KV cache      %lld bytes/token (full layers) + %.1f MiB (sliding windows), 16-bit\n",
               (long long)kv_bytes_per_token(c), sliding_kv_bytes(c) / 1048576.0);
+  std::printf("backend       %s\n", j["backend"].get<std::string>().c_str());
   std::printf("generation    %d steps max, entropy bound %g, T %g..%g, max_new_tokens %d\n", g.max_denoising_steps,
               double(g.entropy_bound), double(g.t_min), double(g.t_max), g.max_new_tokens);
   return 0;
@@ -105,6 +108,7 @@ CommandRegistrar reg("info", "Print a model's configuration, layer pattern, para
                        auto a = std::make_shared<InfoArgs>();
                        sub.add_option("-m,--model", a->model_dir, "Hugging Face snapshot directory")->required();
                        sub.add_flag("--json", a->json, "Print JSON");
+                       sub.add_option("--backend", a->backend, "cpu, cuda or auto: which one would run this model");
                        return [a] { return run_info(*a); };
                      });
 

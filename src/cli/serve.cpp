@@ -4,7 +4,7 @@
 #include <pthread.h>
 #include <thread>
 
-#include "backend/cpu/cpu_backend.h"
+#include "cli/backend_select.h"
 #include "cli/command.h"
 #include "server/server.h"
 #include "util/error.h"
@@ -18,7 +18,7 @@ struct ServeArgs {
   std::string host = "127.0.0.1";
   int port = 8080;
   std::string api_key;
-  std::string backend = "cpu";
+  std::string backend = "auto";
   int queue_limit = 64;
   size_t max_body = 8u << 20;
   int slots = 4;
@@ -29,16 +29,6 @@ struct ServeArgs {
   bool test_hooks = false;
   bool quiet = false;
 };
-
-session::SessionPool::BackendFactory backend_factory(const ServeArgs& a, const LoadedModel& model) {
-  if (a.backend == "cpu") {
-    const int threads = a.threads;
-    return [&model, threads] { return make_cpu_backend(model, threads); };
-  }
-  if (a.backend == "cuda")
-    fail("--backend cuda: this build has no CUDA inference backend yet (only the device query); use --backend cpu");
-  fail("--backend must be cpu or cuda (got '{}')", a.backend);
-}
 
 int run_serve(const ServeArgs& a) {
   if (a.api_key.empty() && a.host != "127.0.0.1" && a.host != "localhost" && a.host != "::1")
@@ -53,7 +43,11 @@ int run_serve(const ServeArgs& a) {
   o.api_key = a.api_key;
   o.max_body = a.max_body;
   o.queue_limit = a.queue_limit;
-  o.slots = a.slots;
+  const std::string backend = resolve_backend(a.backend);
+  // Each session slot owns a backend; on the GPU that is a full weight copy, so CUDA serves one slot for now.
+  o.slots = backend == "cuda" ? 1 : a.slots;
+  if (backend == "cuda" && a.slots > 1)
+    std::fprintf(stderr, "note: --backend cuda keeps 1 session slot (each slot would hold its own weight copy)\n");
   o.model_id = a.model_id;
   o.max_context = a.max_context;
   o.default_max_tokens = a.default_max_tokens;
@@ -68,11 +62,11 @@ int run_serve(const ServeArgs& a) {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   std::signal(SIGPIPE, SIG_IGN);  // a client closing mid-stream must fail the write, not kill the process
 
-  server::Server server(*model, std::move(tokenizer), backend_factory(a, *model), o);
+  server::Server server(*model, std::move(tokenizer), make_backend_factory(backend, *model, a.threads), o);
   const int port = server.bind();
   // The line tests and scripts wait for: the port is known and bound.
   std::printf("diffgemma serve: model '%s' on http://%s:%d (queue limit %d, %d session slots)\n",
-              server.model_id().c_str(), a.host.c_str(), port, a.queue_limit, a.slots);
+              server.model_id().c_str(), a.host.c_str(), port, a.queue_limit, o.slots);
   std::fflush(stdout);
   std::thread signals([&] {
     int sig = 0;
@@ -95,7 +89,7 @@ const CommandRegistrar kRegistrar{
       sub.add_option("--host", a->host, "Address to bind (default 127.0.0.1: local only)");
       sub.add_option("--port", a->port, "Port (0: any free port, printed at startup)");
       sub.add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' on /v1/*");
-      sub.add_option("--backend", a->backend, "cpu or cuda");
+      sub.add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)");
       sub.add_option("--queue-limit", a->queue_limit, "Requests that may wait for the engine; beyond it 503");
       sub.add_option("--max-body", a->max_body, "Largest request body in bytes; beyond it 413");
       sub.add_option("--sessions", a->slots, "Conversations whose KV cache is kept for reuse");

@@ -1,0 +1,37 @@
+#include "cli/backend_select.h"
+
+#include <cstdio>
+
+#include "backend/cpu/cpu_backend.h"
+#include "util/error.h"
+#ifdef DIFFGEMMA_WITH_CUDA
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_device.h"
+#endif
+
+namespace dg::cli {
+
+std::string resolve_backend(const std::string& requested) {
+  if (requested == "cpu") return "cpu";
+  if (requested != "cuda" && requested != "auto")
+    fail("--backend must be cpu, cuda or auto (got '{}')", requested);
+#ifdef DIFFGEMMA_WITH_CUDA
+  cuda::DeviceInfo dev = cuda::query_device(0);
+  if (dev.available) return "cuda";
+  if (requested == "cuda") fail("--backend cuda: {}; use --backend cpu", dev.reason);
+  std::fprintf(stderr, "note: using the CPU backend (%s)\n", dev.reason.c_str());
+#else
+  if (requested == "cuda") fail("--backend cuda: this binary was built without CUDA (configure with nvcc present)");
+#endif
+  return "cpu";
+}
+
+BackendFactory make_backend_factory(const std::string& requested, const LoadedModel& model, int cpu_threads) {
+  const std::string name = resolve_backend(requested);
+#ifdef DIFFGEMMA_WITH_CUDA
+  if (name == "cuda") return [&model] { return make_cuda_backend(model); };
+#endif
+  return [&model, cpu_threads] { return make_cpu_backend(model, cpu_threads); };
+}
+
+}  // namespace dg::cli
