@@ -11,8 +11,10 @@
 #ifdef DIFFGEMMA_WITH_CUDA
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <nlohmann/json.hpp>
@@ -214,19 +216,65 @@ struct Triple {
   int H = 0, V = 0;
   std::string name;
 
+  // Stage s >= 1 up to num_layers is layer s - 1's output. A row of it may differ by O(0.1-1) without a bug when the
+  // two backends routed it to different experts, which bf16 rounding can cause only at a router near-tie: the CPU's
+  // k-th vs (k+1)-th logit gap within twice the row's router-logit difference (otherwise no ranking can swap).
+  // Such rows are counted and excluded; every other row must match to a stage's own bf16 error.
   void report_stages(const std::string& what, int T) {
-    const int n = int(tg.stages.size());
+    const int n = int(tg.stages.size()), nl = gpu->config().num_layers;
+    const int E = gpu->config().num_experts, K = gpu->config().top_k_experts;
     ASSERT_EQ(int(tc.stages.size()), n) << what;
     ASSERT_EQ(int(ti.stages.size()), n) << what;
+    ASSERT_EQ(int(tg.experts.size()), nl) << what;
+    ASSERT_EQ(int(ti.experts.size()), nl) << what;
     for (int s = 0; s < n; ++s) {
       Err a = compare(tg.stages[size_t(s)], tc.stages[size_t(s)], H);
-      Err i = compare(tg.stages[size_t(s)], ti.stages[size_t(s)], H);
-      std::printf("[trace] %-7s %-14s stage %2d  acc max %.2e rms %.2e bad %2d/%d | iso max %.2e rms %.2e bad %d\n",
-                  name.c_str(), what.c_str(), s, a.max_rel, a.rms_rel, a.bad_rows, T, i.max_rel, i.rms_rel,
-                  i.bad_rows);
+      const auto& g = tg.stages[size_t(s)];
+      const auto& w = ti.stages[size_t(s)];
+      const int l = s - 1;
+      const bool routed = l >= 0 && l < nl;
+      int flips = 0, unexplained = 0;
+      double md = 0, mr = 0, flip_err = 0, worst_ratio = 0;
+      for (int r = 0; r < T; ++r) {
+        double rd = 0, rr = 0;
+        for (int i = 0; i < H; ++i) {
+          rd = std::max(rd, std::fabs(double(g[size_t(r) * H + i]) - w[size_t(r) * H + i]));
+          rr = std::max(rr, std::fabs(double(w[size_t(r) * H + i])));
+        }
+        bool flip = false;
+        if (routed) {
+          std::vector<int32_t> eg(tg.experts[size_t(l)].begin() + r * K, tg.experts[size_t(l)].begin() + (r + 1) * K);
+          std::vector<int32_t> ec(ti.experts[size_t(l)].begin() + r * K, ti.experts[size_t(l)].begin() + (r + 1) * K);
+          std::sort(eg.begin(), eg.end());
+          std::sort(ec.begin(), ec.end());
+          flip = eg != ec;
+          if (flip) {
+            const float* rc = ti.router_logits[size_t(l)].data() + size_t(r) * E;
+            const float* rg = tg.router_logits[size_t(l)].data() + size_t(r) * E;
+            std::vector<float> sorted(rc, rc + E);
+            std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+            double delta = 0;
+            for (int e = 0; e < E; ++e) delta = std::max(delta, std::fabs(double(rc[e]) - rg[e]));
+            const double gap = double(sorted[size_t(K) - 1]) - sorted[size_t(K)];
+            worst_ratio = std::max(worst_ratio, gap / std::max(2 * delta + 1e-6, 1e-30));
+            unexplained += gap > 2 * delta + 1e-6;  // no rounding can reorder a gap wider than that
+          }
+        }
+        if (flip) {
+          ++flips;
+          flip_err = std::max(flip_err, rd / std::max(rr, 1e-30));
+          continue;
+        }
+        md = std::max(md, rd);
+        mr = std::max(mr, rr);
+      }
+      const double iso = md / std::max(mr, 1e-30);
+      std::printf("[trace] %-7s %-14s stage %2d  acc max %.2e rms %.2e bad %2d/%d | iso max %.2e (%d routing flips at "
+                  "near-ties: row err <= %.2e, gap/(2 delta) <= %.2f)\n", name.c_str(), what.c_str(), s, a.max_rel,
+                  a.rms_rel, a.bad_rows, T, iso, flips, flip_err, worst_ratio);
       // One stage in bf16 activations (f32 residual, f32 router): a few 1e-3 relative.
-      EXPECT_LE(i.max_rel, 2e-2) << name << " " << what << " stage " << s << " own error";
-      EXPECT_EQ(i.bad_rows, 0) << name << " " << what << " stage " << s;
+      EXPECT_LE(iso, 2e-2) << name << " " << what << " stage " << s << " own error (rows routed alike)";
+      EXPECT_EQ(unexplained, 0) << name << " " << what << " stage " << s << ": routing differs away from a near-tie";
     }
   }
   void report_kv(const std::string& what) {

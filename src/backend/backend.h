@@ -56,6 +56,10 @@ struct KvSnapshot {
 // the final norm's output (the lm_head input).
 struct LayerTrace {
   std::vector<std::vector<float>> stages;  // written by the backend (cleared at the start of each call)
+  // Per layer of the call: the router logits [T, E] and the selected experts [T, K] (selection order), so a diff can
+  // tell a routing flip at a near-tie (a discrete jump bf16 rounding may legitimately cause) from a wrong result.
+  std::vector<std::vector<float>> router_logits;
+  std::vector<std::vector<int32_t>> experts;
   // Teacher forcing (CPU backend only): when set, each stage s is replaced by (*replay)[s] right after it is recorded
   // (entries of the wrong size are ignored), so the recorded stage s + 1 carries only that one stage's own error
   // against the backend that produced `replay`, not the error accumulated before it.

@@ -104,7 +104,7 @@ class CpuBackend final : public Backend {
     std::vector<int64_t> pos(static_cast<size_t>(T));
     for (int64_t t = 0; t < T; ++t) pos[size_t(t)] = kv_len_ + t;
     std::vector<float> h = embed(ids);
-    if (trace_) trace_->stages.clear();
+    if (trace_) trace_->stages.clear(), trace_->router_logits.clear(), trace_->experts.clear();
     trace_stage(h);
     for (int l = 0; l < cfg_.num_layers; ++l) {
       layer(l, Pass::Encoder, h.data(), T, pos.data());
@@ -146,7 +146,7 @@ class CpuBackend final : public Backend {
       for (size_t i = 0; i < e.size(); ++i) e[i] += sc[i];
     }
     cpu::rms_norm(e.data(), L, H, nullptr, cfg_.rms_norm_eps, e.data());
-    if (trace_) trace_->stages.clear();
+    if (trace_) trace_->stages.clear(), trace_->router_logits.clear(), trace_->experts.clear();
     trace_stage(e);
 
     for (int l = 0; l < cfg_.num_layers; ++l) {
@@ -308,6 +308,10 @@ class CpuBackend final : public Backend {
     std::vector<float> wt(size_t(T * K));
     for (int64_t t = 0; t < T; ++t)
       cpu::route_top_k(rl.data() + t * E, E, K, lv.per_expert_scale.data(), idx.data() + t * K, wt.data() + t * K);
+    if (trace_) {
+      trace_->router_logits.push_back(rl);
+      trace_->experts.push_back(idx);
+    }
 
     std::vector<float> xe(size_t(T * H));
     cpu::rms_norm(h, T, H, lv.pre_ff_norm_2.data(), eps, xe.data());

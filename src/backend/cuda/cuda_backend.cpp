@@ -166,7 +166,7 @@ class CudaBackend final : public Backend {
     check_ids(ids);
     // Stages are only meaningful for a prefill that runs as one chunk.
     const bool tracing = trace_ && ids.size() <= size_t(opt_.prefill_chunk);
-    if (trace_) trace_->stages.clear();
+    if (trace_) trace_->stages.clear(), trace_->router_logits.clear(), trace_->experts.clear();
     for (size_t done = 0; done < ids.size();) {
       const int T = int(std::min<size_t>(size_t(opt_.prefill_chunk), ids.size() - done));
       embed(ids.subspan(done, size_t(T)));
@@ -222,7 +222,7 @@ class CudaBackend final : public Backend {
     }
     cuda::rms_norm_f32_to_f32(s_.h, L, H, nullptr, eps, s_.h, stream_);
     if (trace_) {
-      trace_->stages.clear();
+      trace_->stages.clear(), trace_->router_logits.clear(), trace_->experts.clear();
       trace_stage(s_.h, L);
     }
     for (int l = 0; l < cfg_.num_layers; ++l) {
@@ -326,6 +326,15 @@ class CudaBackend final : public Backend {
     gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
     gemm_->linear(s_.xr, Dt::F32, T, L.router_w, Dt::F32, E, H, s_.rl, Dt::F32, stream_);
     cuda::route_top_k(s_.rl, T, E, K, L.pes, s_.idx, s_.wk, stream_);
+    if (trace_) {  // debug path only: synchronizes
+      std::vector<float> rl(size_t(T) * E);
+      std::vector<int32_t> idx(size_t(T) * K);
+      CUDA_CHECK(cudaMemcpyAsync(rl.data(), s_.rl, rl.size() * 4, cudaMemcpyDeviceToHost, stream_));
+      CUDA_CHECK(cudaMemcpyAsync(idx.data(), s_.idx, idx.size() * 4, cudaMemcpyDeviceToHost, stream_));
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      trace_->router_logits.push_back(std::move(rl));
+      trace_->experts.push_back(std::move(idx));
+    }
     cuda::moe_group(s_.idx, T, K, E, s_.xe, H, s_.offsets, s_.sorted_pos, s_.xs, stream_);
     cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, cfg_.moe_intermediate_size, s_.acte, stream_);
     cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, cfg_.moe_intermediate_size, s_.y, stream_);
