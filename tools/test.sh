@@ -11,7 +11,7 @@ tools/build.sh
 
 # Sanitizer pass over everything that parses untrusted input (files, requests, model output).
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DDIFFGEMMA_SANITIZE=ON -DDIFFGEMMA_CUDA=OFF >/dev/null
-cmake --build build-asan -j"$JOBS" --target diffgemma_tests
+cmake --build build-asan -j"$JOBS" --target diffgemma diffgemma_tests
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ./build-asan/diffgemma_tests \
-  --gtest_filter='Safetensors*:Checkpoint*:Config*:OutputParser*:Chat*:Tokenizer*:*Malformed*:*Fuzz*'
+  ctest --test-dir build-asan --output-on-failure -j"$JOBS" --timeout 900 \
+  -R '^(Safetensors|Checkpoint|Config|OutputParser|Chat|Tokenizer)|Malformed|Fuzz'
