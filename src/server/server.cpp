@@ -410,7 +410,8 @@ struct Server::Impl {
       } catch (const std::exception& e) {
         send_error(res, ApiError(500, "server_error", format("internal error: {}", e.what())));
       }
-      metrics.request(endpoint, res.status);
+      // cpp-httplib leaves status at -1 for a handler that did not set one and fills in 200 after it returns.
+      metrics.request(endpoint, res.status == -1 ? 200 : res.status);
     };
   }
 
