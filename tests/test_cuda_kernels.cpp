@@ -254,6 +254,8 @@ TEST(CudaKernels, Attention) {
   check_attention(70, 16, 8, 256, 1535, 3000, 1023, false, 0);  // full-size sliding denoise
   check_attention(45, 16, 2, 512, 300, 0, 211, true, 0);   // full-size full layer, causal
   check_attention(130, 16, 8, 256, 1535, 0, 5, true, 64);  // window inside the new chunk
+  // full-size full layer, bidirectional denoise over many cp.async K/V tiles (n_old not a multiple of the tile)
+  check_attention(40, 16, 2, 512, 800, 0, 651, false, 0);
 }
 
 TEST(CudaKernels, RouteTopK) {
@@ -281,7 +283,9 @@ TEST(CudaKernels, RouteTopK) {
 TEST(CudaKernels, MoeGroupedExperts) {
   REQUIRE_GPU();
   for (auto [T, E, k, H, I] : {std::tuple{37, 6, 2, 40, 24}, std::tuple{300, 16, 4, 136, 72},
-                               std::tuple{40, 16, 8, 2816, 704}}) {
+                               std::tuple{40, 16, 8, 2816, 704},
+                               // > 64 rows per expert (several m-tiles) with a deep k pipeline and a ragged K tail
+                               std::tuple{200, 8, 4, 1000, 200}}) {
     auto x = rnd(size_t(T) * H), gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
     auto wts = rnd(size_t(T) * k, 0.1f, 1.0f);
     std::vector<int32_t> idx(size_t(T) * k);

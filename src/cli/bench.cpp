@@ -72,7 +72,7 @@ double median(std::vector<double> v) {
 }
 
 int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector<int> contexts,
-              std::vector<int> prefills, bool json) {
+              std::vector<int> prefills, bool json, bool breakdown) {
   auto info = cuda::query_device(0);
   if (!info.available) fail("bench needs a CUDA GPU: {}", info.reason);
   int max_ctx = 0;
@@ -80,6 +80,8 @@ int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector
   for (int p : prefills) max_ctx = std::max(max_ctx, p);
   CudaOptions opt;
   opt.max_context = max_ctx + 1024;
+  CudaStageTimes stages;
+  if (breakdown) opt.stage_times = &stages;
   std::unique_ptr<LoadedModel> model;
   std::unique_ptr<Backend> be;
   Timer timer;
@@ -133,6 +135,23 @@ int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector
     std::vector<double> t;
     for (int r = 0; r < reps; ++r) t.push_back(timer.ms([&] { be->denoise(req, res); }));
     const double step = median(t);
+    if (breakdown) {  // extra steps with a CUDA event after every stage; the step time above is without them
+      stages.reset();
+      stages.enabled = true;
+      for (int r = 0; r < reps; ++r) be->denoise(req, res);
+      stages.enabled = false;
+      double sum = 0;
+      for (auto& [name, ms] : stages.ms) {
+        const double per = ms / std::max(1, stages.steps);
+        out["denoise"][std::to_string(ctx)]["breakdown_ms"][name] = per;
+        sum += per;
+      }
+      std::fprintf(stderr, "kv %6d breakdown (ms per step, summed over layers; %d steps):\n", ctx, stages.steps);
+      for (auto& [name, ms] : stages.ms)
+        std::fprintf(stderr, "  %-28s %8.3f  %5.1f%%\n", name.c_str(), ms / std::max(1, stages.steps),
+                     100.0 * ms / std::max(1, stages.steps) / std::max(sum, 1e-9));
+      std::fprintf(stderr, "  %-28s %8.3f\n", "sum of stages", sum);
+    }
     // Commit of one canvas (encoder pass over 256 tokens), then rewind it.
     std::vector<double> tc;
     auto commit = random_ids(L);
@@ -142,10 +161,11 @@ int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector
     }
     const double commit_ms = median(tc);
     const double e2e = L / ((16 * step + commit_ms) / 1e3);
-    out["denoise"][std::to_string(ctx)] = {{"step_ms", step},
-                                           {"step_ms_min", *std::min_element(t.begin(), t.end())},
-                                           {"commit_ms", commit_ms},
-                                           {"tok_per_s_16_steps", e2e}};
+    auto& d = out["denoise"][std::to_string(ctx)];
+    d["step_ms"] = step;
+    d["step_ms_min"] = *std::min_element(t.begin(), t.end());
+    d["commit_ms"] = commit_ms;
+    d["tok_per_s_16_steps"] = e2e;
     std::fprintf(stderr, "kv %6d: denoise step %7.2f ms (min %.2f), commit 256 %7.2f ms, 16 steps/canvas %7.0f tok/s\n",
                  ctx, step, *std::min_element(t.begin(), t.end()), commit_ms, e2e);
   }
@@ -184,15 +204,19 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        auto ctx = std::make_shared<std::string>("512,4096,32768");
                        auto pre = std::make_shared<std::string>("4096,32768");
                        auto json = std::make_shared<bool>(false);
+                       auto breakdown = std::make_shared<bool>(false);
                        sub.add_option("-m,--model", *model, "checkpoint directory (default: synthetic weights)");
                        sub.add_option("--seed", *seed, "seed of the synthetic weights and inputs");
                        sub.add_option("--reps", *reps, "timed denoise steps per context (median reported)");
                        sub.add_option("--contexts", *ctx, "KV lengths for the denoise timing, comma-separated");
                        sub.add_option("--prefill", *pre, "prefill sizes, comma-separated");
                        sub.add_flag("--json", *json, "print JSON instead of tables");
+                       sub.add_flag("--breakdown", *breakdown,
+                                    "also time each stage of a denoise step (CUDA events, summed over layers)");
                        return [=]() -> int {
 #ifdef DIFFGEMMA_WITH_CUDA
-                         return run_bench(*model, *seed, *reps, parse_sizes(*ctx), parse_sizes(*pre), *json);
+                         return run_bench(*model, *seed, *reps, parse_sizes(*ctx), parse_sizes(*pre), *json,
+                                          *breakdown);
 #else
                          fail("diffgemma was built without CUDA: bench needs the CUDA backend");
 #endif

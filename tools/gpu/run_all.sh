@@ -38,7 +38,8 @@ if [ "${FULLSHAPE:-1}" = 1 ]; then
     --gtest_filter='CudaFullShape.*' >"$OUT/fullshape.log" 2>&1
   f_rc="$? (fixture script rc $g_rc)"
 fi
-LD_LIBRARY_PATH="$LIBS" timeout 400 "$DIST/diffgemma" bench --json >"$OUT/bench.json" 2>"$OUT/bench.log"
+# BENCH_ARGS: extra bench flags, e.g. "--breakdown --prefill 4096" (per-stage CUDA-event times of a denoise step).
+LD_LIBRARY_PATH="$LIBS" timeout 400 "$DIST/diffgemma" bench --json ${BENCH_ARGS:-} >"$OUT/bench.json" 2>"$OUT/bench.log"
 b_rc=$?
 h_rc=skipped
 if [ "${HF:-0}" = 1 ]; then
@@ -55,6 +56,6 @@ fi
   echo "== full shape vs HF (rc $f_rc)"
   [ -f "$OUT/fullshape_fixture.log" ] && grep -E 'FAIL|WARN|agree|cosine|Error' "$OUT/fullshape_fixture.log" | tail -12
   [ -f "$OUT/fullshape.log" ] && grep -E '^\[fullshape\]|^\[  (FAILED|  OK|SKIPPED) \]|Failure' "$OUT/fullshape.log"
-  echo "== bench (rc $b_rc)"; cat "$OUT/bench.log"
+  echo "== bench (rc $b_rc)"; grep -v uploading "$OUT/bench.log"
   echo "== hf (rc $h_rc)"; [ -f "$OUT/hf.log" ] && grep -E 'prefill_ms|step|fail|Error' "$OUT/hf.log" | tail -20
 } | tee -a "$OUT/summary.txt"

@@ -53,6 +53,15 @@ struct Scratch {
 
 enum class Pass { Encoder, Decoder };
 
+// Stages of a denoise step for CudaStageTimes (the time since the previous mark goes to the named stage).
+enum Stage : int {
+  kStEmbedSc, kStAttnProj, kStAttention, kStOProj, kStDenseMlp, kStRouter, kStGroup, kStGateUp, kStDown,
+  kStCombine, kStLmHead, kStRowStats, kNumStages
+};
+constexpr const char* kStageNames[kNumStages] = {
+    "embed + SC", "norm + qkv + rope", "attention", "o_proj + norm", "dense MLP", "router", "moe group",
+    "expert gate_up", "expert down", "moe combine + ffn", "final norm + lm_head", "softcap + row stats + D2H"};
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const LoadedModel* model, const ModelConfig& cfg, uint64_t seed, const CudaOptions& opt)
@@ -89,6 +98,7 @@ class CudaBackend final : public Backend {
 
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
+    for (auto ev : events_) cudaEventDestroy(ev);
     gemm_.reset();
     cudaFree(arena_.base);
     cudaFreeHost(host_ids_);
@@ -190,7 +200,9 @@ class CudaBackend final : public Backend {
       fail("denoise at {} cached positions + {} canvas exceeds the CUDA backend's max_context {}", kv_len_, L,
            opt_.max_context);
     check_ids(req.canvas);
-    embed(req.canvas);
+    timing_ = opt_.stage_times && opt_.stage_times->enabled;
+    n_marks_ = 0;
+    embed(req.canvas);  // synchronizes first, so the start mark below is not behind queued work
     const float sqrt_h = std::sqrt(float(H));
     bool have_signal = true;
     switch (req.self_condition) {
@@ -221,6 +233,7 @@ class CudaBackend final : public Backend {
       cuda::add_bf16_to_f32(s_.h, s_.a, size_t(L) * H, stream_);
     }
     cuda::rms_norm_f32_to_f32(s_.h, L, H, nullptr, eps, s_.h, stream_);
+    mark(kStEmbedSc);
     if (trace_) {
       trace_->stages.clear(), trace_->router_logits.clear(), trace_->experts.clear();
       trace_stage(s_.h, L);
@@ -235,9 +248,11 @@ class CudaBackend final : public Backend {
     }
     cuda::rms_norm_f32_to_bf16(s_.h, L, H, final_norm_, eps, s_.x, stream_);
     gemm_->linear(s_.x, Dt::BF16, L, embed_, Dt::BF16, V, H, s_.logits, Dt::F32, stream_);
+    mark(kStLmHead);
     cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats, stream_);
     CUDA_CHECK(cudaMemcpyAsync(host_stats_, s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats),
                                cudaMemcpyDeviceToHost, stream_));
+    mark(kStRowStats);
     if (req.want_logits) {
       out.logits.resize(size_t(L) * V);
       CUDA_CHECK(cudaMemcpyAsync(out.logits.data(), s_.logits, out.logits.size() * 4, cudaMemcpyDeviceToHost, stream_));
@@ -245,6 +260,8 @@ class CudaBackend final : public Backend {
       out.logits.clear();
     }
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (timing_) collect_marks();
+    timing_ = false;
     out.rows.resize(size_t(L));
     for (int r = 0; r < L; ++r) {
       const auto& d = host_stats_[r];
@@ -257,6 +274,31 @@ class CudaBackend final : public Backend {
   void set_layer_trace(LayerTrace* trace) override { trace_ = trace; }
 
  private:
+  // CudaStageTimes: records an event attributed to `stage`. Events come from a pool grown on first use, so later
+  // timed steps allocate nothing.
+  void mark(int stage) {
+    if (!timing_) return;
+    if (n_marks_ == events_.size()) {
+      cudaEvent_t ev;
+      CUDA_CHECK(cudaEventCreate(&ev));
+      events_.push_back(ev);
+      mark_stage_.push_back(0);
+    }
+    CUDA_CHECK(cudaEventRecord(events_[n_marks_], stream_));
+    mark_stage_[n_marks_++] = stage;
+  }
+  void collect_marks() {
+    CudaStageTimes& st = *opt_.stage_times;
+    if (st.ms.empty())
+      for (const char* n : kStageNames) st.ms.emplace_back(n, 0.0);
+    for (size_t i = 1; i < n_marks_; ++i) {
+      float t = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&t, events_[i - 1], events_[i]));
+      st.ms[size_t(mark_stage_[i])].second += t;
+    }
+    ++st.steps;
+  }
+
   // Debug path only: synchronizes the stream.
   void trace_stage(const float* dev, int T) {
     std::vector<float> v(size_t(T) * size_t(cfg_.hidden_size));
@@ -274,6 +316,7 @@ class CudaBackend final : public Backend {
   void embed(std::span<const int32_t> ids) {
     // The pinned buffer is reused by the next chunk: wait until the previous copy out of it has completed.
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+    mark(-1);  // start of a timed denoise step (no-op otherwise)
     std::memcpy(host_ids_, ids.data(), ids.size() * 4);
     CUDA_CHECK(cudaMemcpyAsync(s_.ids, host_ids_, ids.size() * 4, cudaMemcpyHostToDevice, stream_));
     // HF multiplies by sqrt(H) in the weight dtype (53.0); the CPU oracle uses f32 sqrt(H), and so do we.
@@ -306,6 +349,7 @@ class CudaBackend final : public Backend {
     gemm_->linear(s_.x, Dt::BF16, T, L.wqkv, Dt::BF16, L.nqkv, H, s_.qkv, Dt::BF16, stream_);
     cuda::qkv_norm_rope(s_.qkv, T, nh, nkv, D, !L.shape.has_v_proj, L.q_norm, L.k_norm, L.inv_freq, kv_len_, eps,
                         s_.q, s_.kn, s_.vn, stream_);
+    mark(kStAttnProj);
     cuda::AttentionArgs a{};
     a.q = s_.q;
     a.T = T, a.nh = nh, a.nkv = nkv, a.D = D;
@@ -318,14 +362,18 @@ class CudaBackend final : public Backend {
     a.window = sliding ? cfg_.sliding_window : 0;
     a.out = s_.att;
     cuda::attention(a, stream_);
+    mark(kStAttention);
     if (pass == Pass::Encoder) cuda::kv_write(s_.kn, s_.vn, T, nkv * D, kv_len_, L.kc, L.vc, L.cap, stream_);
     gemm_->linear(s_.att, Dt::BF16, T, L.wo, Dt::BF16, H, nh * D, s_.a, Dt::BF16, stream_);
     cuda::add_rms_norm(s_.h, s_.a, T, H, L.post_attn, eps, stream_);
+    mark(kStOProj);
 
     cuda::pre_ffn(s_.h, T, H, L.pre_ff, L.pre_ff2, L.router_scale, eps, s_.x1, s_.xe, s_.xr, stream_);
     gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
+    mark(kStDenseMlp);
     gemm_->linear(s_.xr, Dt::F32, T, L.router_w, Dt::F32, E, H, s_.rl, Dt::F32, stream_);
     cuda::route_top_k(s_.rl, T, E, K, L.pes, s_.idx, s_.wk, stream_);
+    mark(kStRouter);
     if (trace_) {  // debug path only: synchronizes
       std::vector<float> rl(size_t(T) * E);
       std::vector<int32_t> idx(size_t(T) * K);
@@ -336,11 +384,15 @@ class CudaBackend final : public Backend {
       trace_->experts.push_back(std::move(idx));
     }
     cuda::moe_group(s_.idx, T, K, E, s_.xe, H, s_.offsets, s_.sorted_pos, s_.xs, stream_);
+    mark(kStGroup);
     cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, cfg_.moe_intermediate_size, s_.acte, stream_);
+    mark(kStGateUp);
     cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, cfg_.moe_intermediate_size, s_.y, stream_);
+    mark(kStDown);
     cuda::moe_combine(s_.y, s_.idx, s_.wk, s_.sorted_pos, T, K, H, s_.m2, stream_);
     cuda::ffn_combine(s_.h, s_.m1, s_.m2, T, H, L.post_ff1, L.post_ff2, L.post_ff, eps,
                       pass == Pass::Encoder ? L.enc_scalar : L.dec_scalar, stream_);
+    mark(kStCombine);
   }
 
   void layout(Arena& ar) {
@@ -559,6 +611,10 @@ class CudaBackend final : public Backend {
   int prev_rows_ = 0;
   float prev_temperature_ = 1.0f;
   LayerTrace* trace_ = nullptr;
+  bool timing_ = false;  // this denoise records CudaStageTimes marks
+  std::vector<cudaEvent_t> events_;
+  std::vector<int> mark_stage_;
+  size_t n_marks_ = 0;
 };
 
 }  // namespace

@@ -3,11 +3,24 @@
 // with an f32 residual stream, f32 router / softmax / logits / sampler statistics.
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "backend/backend.h"
 #include "model/weights.h"
 
 namespace dg {
+
+// Where a denoise step's device time goes (`diffgemma bench --breakdown`): while `enabled`, each denoise records a
+// CUDA event after every stage and adds the time since the previous event to that stage (summed over layers).
+// Costs one event record per stage (~0.4k per step), so the plain step timing runs with it off.
+struct CudaStageTimes {
+  bool enabled = false;
+  int steps = 0;
+  std::vector<std::pair<std::string, double>> ms;  // stage name -> ms summed over layers and steps
+  void reset() { steps = 0, ms.clear(); }
+};
 
 struct CudaOptions {
   int device = 0;
@@ -18,6 +31,7 @@ struct CudaOptions {
   int64_t sliding_rewind = 512;
   int prefill_chunk = 4096;  // prefill runs in chunks of at most this many tokens (bounds the scratch arenas)
   bool progress = true;      // weight upload progress on stderr
+  CudaStageTimes* stage_times = nullptr;  // not owned; see CudaStageTimes
 };
 
 // `model` must outlive the backend; its weights are uploaded once (as bf16) and not read again.

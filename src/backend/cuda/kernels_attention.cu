@@ -1,12 +1,15 @@
 // Flash-style attention on tensor cores (WMMA bf16, f32 accumulate): one block per (32 query rows, kv head), where
 // the rows are (query, head-of-the-group) pairs so that the K/V tiles of one kv head serve all its query heads.
 // Scores stay f32 through an online softmax; P is rounded to bf16 for the P.V product (as HF's eager path does).
+// K/V tiles arrive by cp.async: every 16-byte copy of a tile is in flight at once (a per-thread load loop costed one
+// memory round trip per iteration, ~16 per D=512 tile), and the V tile streams in while the softmax runs.
 #include <mma.h>
 
 #include <cstdint>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/cuda_util.cuh"
 
 namespace dg::cuda {
 namespace {
@@ -29,9 +32,12 @@ struct Smem {
   }
 };
 
+// DT: the head dim as a compile-time constant for the model's 256 / 512 (index math by shifts, unrolled loops; at
+// one block per SM this kernel is latency-bound, so integer divisions showed up), 0 = run-time a.D.
+template <int DT>
 __global__ void __launch_bounds__(kThreads) attention_k(AttentionArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const int D = a.D, g = a.nh / a.nkv, kvh = blockIdx.y;
+  const int D = DT ? DT : a.D, g = a.nh / a.nkv, kvh = blockIdx.y;
   const Smem L(D);
   bf16* Qs = reinterpret_cast<bf16*>(smem + L.q);
   bf16* KVs = reinterpret_cast<bf16*>(smem + L.kv);
@@ -73,23 +79,26 @@ __global__ void __launch_bounds__(kThreads) attention_k(AttentionArgs a) {
   }
   __syncthreads();
 
+  // Issues the tile's copies (rows past j_end zero-filled) as one cp.async group; the caller waits.
   auto load_tile = [&](const bf16* cache, const bf16* fresh, int64_t j0) {
+    const int64_t slot0 = (a.first_pos + j0) % a.cap;  // one 64-bit modulo per tile, not per 16-byte copy
     for (int i = tid; i < BN * dvec; i += kThreads) {
       const int r = i / dvec, c = i % dvec;
       const int64_t j = j0 + r;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (j < j_end) {
-        const bf16* src = j < a.n_old
-                              ? cache + (((a.first_pos + j) % a.cap) * a.nkv + kvh) * size_t(D)
-                              : fresh + ((j - a.n_old) * a.nkv + kvh) * size_t(D);
-        v = reinterpret_cast<const uint4*>(src)[c];
-      }
-      reinterpret_cast<uint4*>(KVs + r * ldq)[c] = v;
+      const bool ok = j < j_end;
+      int64_t slot = slot0 + r;
+      while (slot >= a.cap) slot -= a.cap;  // at most once unless the ring is shorter than a tile
+      const bf16* src = !ok ? fresh
+                        : j < a.n_old ? cache + (slot * a.nkv + kvh) * size_t(D)
+                                      : fresh + ((j - a.n_old) * a.nkv + kvh) * size_t(D);
+      cp_async16(KVs + r * ldq + c * 8, src + (ok ? c * 8 : 0), ok);
     }
+    cp_async_commit();
   };
 
+  if (j_begin < j_end) load_tile(a.k_cache, a.k_new, j_begin);
   for (int64_t j0 = j_begin; j0 < j_end; j0 += BN) {
-    load_tile(a.k_cache, a.k_new, j0);
+    cp_async_wait<0>();
     __syncthreads();
     {  // S = Q K^T: 2 x 4 fragments, one per warp
       const int mi = warp / (BN / 16), ni = warp % (BN / 16);
@@ -104,7 +113,8 @@ __global__ void __launch_bounds__(kThreads) attention_k(AttentionArgs a) {
       }
       wmma::store_matrix_sync(Ss + mi * 16 * lds + ni * 16, acc, lds, wmma::mem_row_major);
     }
-    __syncthreads();
+    __syncthreads();  // every warp is done with the K tile: V may overwrite it while the softmax runs
+    load_tile(a.v_cache, a.v_new, j0);
     {  // online softmax: 8 threads per row, 8 columns each
       const int r = tid >> 3, c0 = (tid & 7) * 8;
       const int64_t qp = row_pos[r];
@@ -136,8 +146,8 @@ __global__ void __launch_bounds__(kThreads) attention_k(AttentionArgs a) {
       }
     }
     __syncthreads();
-    load_tile(a.v_cache, a.v_new, j0);
     for (int i = tid; i < BM * D; i += kThreads) Os[(i / D) * ldo + i % D] *= row_alpha[i / D];
+    cp_async_wait<0>();
     __syncthreads();
     for (int f = warp; f < (BM / 16) * (D / 16); f += kThreads / 32) {  // O += P V
       const int mi = f / (D / 16), di = f % (D / 16);
@@ -153,7 +163,8 @@ __global__ void __launch_bounds__(kThreads) attention_k(AttentionArgs a) {
       }
       wmma::store_matrix_sync(Os + mi * 16 * ldo + di * 16, acc, ldo, wmma::mem_row_major);
     }
-    __syncthreads();
+    __syncthreads();  // the V tile is consumed: the next K tile may replace it
+    if (j0 + BN < j_end) load_tile(a.k_cache, a.k_new, j0 + BN);
   }
 
   for (int i = tid; i < BM * D; i += kThreads) {
@@ -171,14 +182,17 @@ void attention(const AttentionArgs& a, cudaStream_t s) {
   if (a.T == 0) return;
   if (a.D % 16 != 0 || a.nh % a.nkv != 0) throw_cuda_error("attention", "head_dim must be a multiple of 16 and nh of nkv", 0, __FILE__, __LINE__);
   const Smem L(a.D);
-  static size_t raised = 0;
-  if (L.total > 48 * 1024 && L.total > raised) {
-    CUDA_CHECK(cudaFuncSetAttribute(attention_k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L.total)));
-    raised = L.total;
+  const int which = a.D == 256 ? 0 : a.D == 512 ? 1 : 2;
+  void (*const kernels[3])(AttentionArgs) = {attention_k<256>, attention_k<512>, attention_k<0>};
+  auto* kern = kernels[which];
+  static size_t raised[3] = {0, 0, 0};  // dynamic shared memory opt-in, per kernel
+  if (L.total > 48 * 1024 && L.total > raised[which]) {
+    CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L.total)));
+    raised[which] = L.total;
   }
   const int rows = a.T * (a.nh / a.nkv);
   dim3 grid((rows + BM - 1) / BM, a.nkv);
-  attention_k<<<grid, kThreads, L.total, s>>>(a);
+  kern<<<grid, kThreads, L.total, s>>>(a);
   CUDA_CHECK_LAUNCH();
 }
 
