@@ -83,8 +83,9 @@ class Backend {
   // Whether the cache can be cut back to n tokens without recomputation (a sliding ring may have dropped them).
   virtual bool can_truncate(int64_t n) const = 0;
   virtual void truncate(int64_t n) = 0;  // throws dg::Error when !can_truncate(n)
-  // Position-ordered hash of the live KV bytes (what attention can still read). Equal within one backend type.
-  virtual uint64_t kv_fingerprint() const = 0;
+  // Position-ordered FNV-1a hash of the live K/V (what attention can still read), as kv_snapshot reports it.
+  // Equal within one backend type (the CUDA cache holds bf16, the CPU cache f32).
+  virtual uint64_t kv_fingerprint() const;
   virtual KvSnapshot kv_snapshot(int layer) const = 0;
   // Debugging: capture (and on the CPU, replay) residual stages of the following calls; nullptr stops it.
   // Backends without the facility ignore it.

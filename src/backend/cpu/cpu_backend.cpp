@@ -67,22 +67,6 @@ class CpuBackend final : public Backend {
     kv_len_ = n;
   }
 
-  uint64_t kv_fingerprint() const override {
-    uint64_t h = 1469598103934665603ull;
-    auto mix = [&](const void* p, size_t n) {
-      auto* b = static_cast<const uint8_t*>(p);
-      for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
-    };
-    mix(&kv_len_, sizeof kv_len_);
-    for (int l = 0; l < cfg_.num_layers; ++l) {
-      KvSnapshot s = kv_snapshot(l);
-      mix(&s.first_pos, sizeof s.first_pos);
-      mix(s.k.data(), s.k.size() * 4);
-      mix(s.v.data(), s.v.size() * 4);
-    }
-    return h;
-  }
-
   KvSnapshot kv_snapshot(int layer) const override {
     if (layer < 0 || layer >= cfg_.num_layers) fail("kv_snapshot: layer {} out of range [0, {})", layer, cfg_.num_layers);
     const LayerShape& ls = cfg_.layers[size_t(layer)];
