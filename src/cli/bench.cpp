@@ -72,7 +72,7 @@ double median(std::vector<double> v) {
 }
 
 int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector<int> contexts,
-              std::vector<int> prefills, bool json, bool breakdown) {
+              std::vector<int> prefills, bool json, bool breakdown, bool no_graphs) {
   auto info = cuda::query_device(0);
   if (!info.available) fail("bench needs a CUDA GPU: {}", info.reason);
   int max_ctx = 0;
@@ -82,6 +82,7 @@ int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector
   opt.max_context = max_ctx + 1024;
   CudaStageTimes stages;
   if (breakdown) opt.stage_times = &stages;
+  opt.cuda_graphs = !no_graphs;
   std::unique_ptr<LoadedModel> model;
   std::unique_ptr<Backend> be;
   Timer timer;
@@ -205,6 +206,7 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        auto pre = std::make_shared<std::string>("4096,32768");
                        auto json = std::make_shared<bool>(false);
                        auto breakdown = std::make_shared<bool>(false);
+                       auto no_graphs = std::make_shared<bool>(false);
                        sub.add_option("-m,--model", *model, "checkpoint directory (default: synthetic weights)");
                        sub.add_option("--seed", *seed, "seed of the synthetic weights and inputs");
                        sub.add_option("--reps", *reps, "timed denoise steps per context (median reported)");
@@ -213,10 +215,11 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--json", *json, "print JSON instead of tables");
                        sub.add_flag("--breakdown", *breakdown,
                                     "also time each stage of a denoise step (CUDA events, summed over layers)");
+                       sub.add_flag("--no-graphs", *no_graphs, "launch the decoder layers eagerly (no CUDA graph)");
                        return [=]() -> int {
 #ifdef DIFFGEMMA_WITH_CUDA
                          return run_bench(*model, *seed, *reps, parse_sizes(*ctx), parse_sizes(*pre), *json,
-                                          *breakdown);
+                                          *breakdown, *no_graphs);
 #else
                          fail("diffgemma was built without CUDA: bench needs the CUDA backend");
 #endif

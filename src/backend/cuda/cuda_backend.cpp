@@ -99,6 +99,7 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
     for (auto ev : events_) cudaEventDestroy(ev);
+    if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
     gemm_.reset();
     cudaFree(arena_.base);
     cudaFreeHost(host_ids_);
@@ -238,10 +239,7 @@ class CudaBackend final : public Backend {
       trace_->stages.clear(), trace_->router_logits.clear(), trace_->experts.clear();
       trace_stage(s_.h, L);
     }
-    for (int l = 0; l < cfg_.num_layers; ++l) {
-      layer(l, Pass::Decoder, L);
-      if (trace_) trace_stage(s_.h, L);
-    }
+    decoder_layers(L);
     if (trace_) {  // the final norm in f32 (the lm_head reads its bf16 rounding)
       cuda::rms_norm_f32_to_f32(s_.h, L, H, final_norm_, eps, s_.xr, stream_);
       trace_stage(s_.xr, L);
@@ -272,6 +270,48 @@ class CudaBackend final : public Backend {
   }
 
   void set_layer_trace(LayerTrace* trace) override { trace_ = trace; }
+
+  // The decoder layers of a denoise step, ~40 launches each (1.2k per step), replayed as one CUDA graph so the GPU
+  // does not wait on per-launch gaps. The kernels take kv_len_ (ring offsets, positions) by value, so one graph
+  // serves all steps of one canvas at one (rows, kv_len); a new pair re-captures and patches the executable in
+  // place (cudaGraphExecUpdate: no re-instantiation unless the topology changed). Traced and stage-timed steps
+  // launch eagerly: they synchronize or record events between stages.
+  void decoder_layers(int L) {
+    if (trace_ || timing_ || !opt_.cuda_graphs) {
+      for (int l = 0; l < cfg_.num_layers; ++l) {
+        layer(l, Pass::Decoder, L);
+        if (trace_) trace_stage(s_.h, L);
+      }
+      return;
+    }
+    if (!graph_exec_ || graph_rows_ != L || graph_kv_ != kv_len_) {
+      graph_rows_ = -1;  // stays invalid if the capture below throws
+      cudaGraph_t graph = nullptr;
+      // Relaxed: the attention launcher may raise a kernel's shared-memory limit (cudaFuncSetAttribute) mid-capture.
+      CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
+      try {
+        for (int l = 0; l < cfg_.num_layers; ++l) layer(l, Pass::Decoder, L);
+      } catch (...) {
+        if (cudaStreamEndCapture(stream_, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
+        (void)cudaGetLastError();
+        throw;
+      }
+      CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+      cudaGraphExecUpdateResultInfo info{};
+      if (!graph_exec_ || cudaGraphExecUpdate(graph_exec_, graph, &info) != cudaSuccess) {
+        (void)cudaGetLastError();  // a failed update is not sticky; instantiate afresh
+        if (graph_exec_) CUDA_CHECK(cudaGraphExecDestroy(graph_exec_));
+        graph_exec_ = nullptr;
+        const cudaError_t e = cudaGraphInstantiate(&graph_exec_, graph, 0);
+        cudaGraphDestroy(graph);
+        CUDA_CHECK(e);
+      } else {
+        CUDA_CHECK(cudaGraphDestroy(graph));
+      }
+      graph_rows_ = L, graph_kv_ = kv_len_;
+    }
+    CUDA_CHECK(cudaGraphLaunch(graph_exec_, stream_));
+  }
 
  private:
   // CudaStageTimes: records an event attributed to `stage`. Events come from a pool grown on first use, so later
@@ -615,6 +655,9 @@ class CudaBackend final : public Backend {
   std::vector<cudaEvent_t> events_;
   std::vector<int> mark_stage_;
   size_t n_marks_ = 0;
+  cudaGraphExec_t graph_exec_ = nullptr;  // the decoder layers, see decoder_layers()
+  int graph_rows_ = -1;
+  int64_t graph_kv_ = -1;
 };
 
 }  // namespace

@@ -32,6 +32,9 @@ struct CudaOptions {
   int prefill_chunk = 4096;  // prefill runs in chunks of at most this many tokens (bounds the scratch arenas)
   bool progress = true;      // weight upload progress on stderr
   CudaStageTimes* stage_times = nullptr;  // not owned; see CudaStageTimes
+  // Replay a denoise step's decoder layers as one CUDA graph (captured per canvas length and kv length); off runs
+  // the same launches eagerly (A/B in `diffgemma bench --no-graphs`).
+  bool cuda_graphs = true;
 };
 
 // `model` must outlive the backend; its weights are uploaded once (as bf16) and not read again.
