@@ -153,22 +153,6 @@ class CudaBackend final : public Backend {
     return s;
   }
 
-  uint64_t kv_fingerprint() const override {
-    uint64_t h = 1469598103934665603ull;
-    auto mix = [&](const void* p, size_t n) {
-      auto* b = static_cast<const uint8_t*>(p);
-      for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
-    };
-    mix(&kv_len_, sizeof kv_len_);
-    for (int l = 0; l < cfg_.num_layers; ++l) {
-      KvSnapshot s = kv_snapshot(l);
-      mix(&s.first_pos, sizeof s.first_pos);
-      mix(s.k.data(), s.k.size() * 4);
-      mix(s.v.data(), s.v.size() * 4);
-    }
-    return h;
-  }
-
   void prefill(std::span<const int32_t> ids) override {
     if (ids.empty()) return;
     if (kv_len_ + int64_t(ids.size()) > opt_.max_context)
