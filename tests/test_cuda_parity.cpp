@@ -72,16 +72,27 @@ void expect_kv_close(const Backend& got, const Backend& want, const std::string&
   std::printf("[parity] %-28s kv worst rel err %.3e\n", what.c_str(), worst);
 }
 
+// A tiny fixture's model plus the prompt and the two canvases of its reference case.
+struct FixtureCase {
+  std::unique_ptr<LoadedModel> model;
+  std::vector<int32_t> prompt, canvas1, canvas2;
+};
+
+FixtureCase load_case(const std::string& name) {
+  const std::string dir = std::string(DIFFGEMMA_FIXTURES_DIR) + "/" + name;
+  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
+  return {load_model(dir), cased["prompt_ids"].get<std::vector<int32_t>>(),
+          cased["canvas1"].get<std::vector<int32_t>>(), cased["canvas2"].get<std::vector<int32_t>>()};
+}
+
 class CudaParity : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(CudaParity, MatchesCpuBackend) {
   auto info = cuda::query_device(0);
   if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
-  const std::string dir = std::string(DIFFGEMMA_FIXTURES_DIR) + "/" + GetParam();
-  auto model = load_model(dir);
-  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
-  auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
-  auto c1 = cased["canvas1"].get<std::vector<int32_t>>(), c2 = cased["canvas2"].get<std::vector<int32_t>>();
+  FixtureCase fc = load_case(GetParam());
+  auto& model = fc.model;
+  const auto &prompt = fc.prompt, &c1 = fc.canvas1, &c2 = fc.canvas2;
   auto cpu = make_cpu_backend(*model, 2);
   CudaOptions opt;
   opt.max_context = 1024;
@@ -329,11 +340,9 @@ struct Triple {
 TEST_P(CudaParity, LayerTrace) {
   auto info = cuda::query_device(0);
   if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
-  const std::string dir = std::string(DIFFGEMMA_FIXTURES_DIR) + "/" + GetParam();
-  auto model = load_model(dir);
-  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
-  auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
-  auto c1 = cased["canvas1"].get<std::vector<int32_t>>(), c2 = cased["canvas2"].get<std::vector<int32_t>>();
+  FixtureCase fc = load_case(GetParam());
+  auto& model = fc.model;
+  const auto &prompt = fc.prompt, &c1 = fc.canvas1, &c2 = fc.canvas2;
   Triple t;
   t.name = GetParam();
   t.H = model->config.hidden_size;
