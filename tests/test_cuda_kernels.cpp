@@ -99,66 +99,71 @@ TEST(CudaKernels, EmbedScale) {
   EXPECT_LE(rel_err(out.get(), want), 1e-7);
 }
 
+// n = 203: the scalar kernels; 1000 and 2816 (the model's H): the 16-byte vector paths (NV 1 and 3).
 TEST(CudaKernels, RmsNormVariants) {
   REQUIRE_GPU();
-  const int rows = 7, n = 203;
-  const float eps = 1e-6f;
-  auto x = rnd(size_t(rows) * n, -3, 3), w = rnd(n, 0.5f, 1.5f);
-  Dev<float> dx(x.size()), dw(n), y32(x.size());
-  Dev<bf16> y16(x.size());
-  dx.put(x);
-  dw.put(w);
-  std::vector<float> want(x.size()), want_ns(x.size());
-  cpu::rms_norm(x.data(), rows, n, w.data(), eps, want.data());
-  cpu::rms_norm(x.data(), rows, n, nullptr, eps, want_ns.data());
-  rms_norm_f32_to_bf16(dx.p, rows, n, dw.p, eps, y16.p, nullptr);
-  EXPECT_LE(rel_err(from_bf16(y16.get()), want), 8e-3);
-  rms_norm_f32_to_f32(dx.p, rows, n, nullptr, eps, y32.p, nullptr);
-  EXPECT_LE(rel_err(y32.get(), want_ns), 1e-5);
+  for (const int n : {203, 1000, 2816}) {
+    const int rows = 7;
+    const float eps = 1e-6f;
+    auto x = rnd(size_t(rows) * n, -3, 3), w = rnd(n, 0.5f, 1.5f);
+    Dev<float> dx(x.size()), dw(n), y32(x.size());
+    Dev<bf16> y16(x.size());
+    dx.put(x);
+    dw.put(w);
+    std::vector<float> want(x.size()), want_ns(x.size());
+    cpu::rms_norm(x.data(), rows, n, w.data(), eps, want.data());
+    cpu::rms_norm(x.data(), rows, n, nullptr, eps, want_ns.data());
+    rms_norm_f32_to_bf16(dx.p, rows, n, dw.p, eps, y16.p, nullptr);
+    EXPECT_LE(rel_err(from_bf16(y16.get()), want), 8e-3);
+    rms_norm_f32_to_f32(dx.p, rows, n, nullptr, eps, y32.p, nullptr);
+    EXPECT_LE(rel_err(y32.get(), want_ns), 1e-5);
 
-  // h += rms(a; w)
-  auto a = rnd(x.size(), -2, 2);
-  Dev<bf16> da(a.size());
-  da.put(to_bf16(a));
-  std::vector<float> an(a.size()), h = x;
-  cpu::rms_norm(a.data(), rows, n, w.data(), eps, an.data());
-  for (size_t i = 0; i < h.size(); ++i) h[i] += an[i];
-  add_rms_norm(dx.p, da.p, rows, n, dw.p, eps, nullptr);
-  EXPECT_LE(rel_err(dx.get(), h), 1e-5);
+    // h += rms(a; w)
+    auto a = rnd(x.size(), -2, 2);
+    Dev<bf16> da(a.size());
+    da.put(to_bf16(a));
+    std::vector<float> an(a.size()), h = x;
+    cpu::rms_norm(a.data(), rows, n, w.data(), eps, an.data());
+    for (size_t i = 0; i < h.size(); ++i) h[i] += an[i];
+    add_rms_norm(dx.p, da.p, rows, n, dw.p, eps, nullptr);
+    EXPECT_LE(rel_err(dx.get(), h), 1e-5) << "n " << n;
+  }
 }
 
 TEST(CudaKernels, PreFfnAndCombine) {
   REQUIRE_GPU();
-  const int rows = 5, n = 168;
-  const float eps = 1e-6f;
-  auto h = rnd(size_t(rows) * n, -4, 4), w1 = rnd(n, 0.5f, 1.5f), w2 = rnd(n, 0.5f, 1.5f), rs = rnd(n, 0.5f, 1.5f);
-  Dev<float> dh(h.size()), dw1(n), dw2(n), drs(n), xr(h.size());
-  Dev<bf16> x1(h.size()), xe(h.size());
-  dh.put(h), dw1.put(w1), dw2.put(w2), drs.put(rs);
-  pre_ffn(dh.p, rows, n, dw1.p, dw2.p, drs.p, eps, x1.p, xe.p, xr.p, nullptr);
-  std::vector<float> e1(h.size()), e2(h.size()), er(h.size());
-  cpu::rms_norm(h.data(), rows, n, w1.data(), eps, e1.data());
-  cpu::rms_norm(h.data(), rows, n, w2.data(), eps, e2.data());
-  cpu::rms_norm(h.data(), rows, n, nullptr, eps, er.data());
-  for (int r = 0; r < rows; ++r)
-    for (int i = 0; i < n; ++i) er[size_t(r) * n + i] *= rs[size_t(i)] / std::sqrt(float(n));
-  EXPECT_LE(rel_err(from_bf16(x1.get()), e1), 8e-3);
-  EXPECT_LE(rel_err(from_bf16(xe.get()), e2), 8e-3);
-  EXPECT_LE(rel_err(xr.get(), er), 1e-5);
+  for (const int n : {203, 168, 2816}) {
+    const int rows = 5;
+    const float eps = 1e-6f;
+    auto h = rnd(size_t(rows) * n, -4, 4), w1 = rnd(n, 0.5f, 1.5f), w2 = rnd(n, 0.5f, 1.5f), rs = rnd(n, 0.5f, 1.5f);
+    Dev<float> dh(h.size()), dw1(n), dw2(n), drs(n), xr(h.size());
+    Dev<bf16> x1(h.size()), xe(h.size());
+    dh.put(h), dw1.put(w1), dw2.put(w2), drs.put(rs);
+    pre_ffn(dh.p, rows, n, dw1.p, dw2.p, drs.p, eps, x1.p, xe.p, xr.p, nullptr);
+    std::vector<float> e1(h.size()), e2(h.size()), er(h.size());
+    cpu::rms_norm(h.data(), rows, n, w1.data(), eps, e1.data());
+    cpu::rms_norm(h.data(), rows, n, w2.data(), eps, e2.data());
+    cpu::rms_norm(h.data(), rows, n, nullptr, eps, er.data());
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < n; ++i) er[size_t(r) * n + i] *= rs[size_t(i)] / std::sqrt(float(n));
+    EXPECT_LE(rel_err(from_bf16(x1.get()), e1), 8e-3);
+    EXPECT_LE(rel_err(from_bf16(xe.get()), e2), 8e-3);
+    EXPECT_LE(rel_err(xr.get(), er), 1e-5);
 
-  // h = (h + rms(rms(m1; w1) + rms(m2; w2); w)) * scalar
-  auto m1 = rnd(h.size(), -2, 2), m2 = rnd(h.size(), -5, 5), w = rnd(n, 0.5f, 1.5f);
-  Dev<bf16> dm1(m1.size());
-  Dev<float> dm2(m2.size()), dw(n);
-  dm1.put(to_bf16(m1)), dm2.put(m2), dw.put(w);
-  std::vector<float> a(h.size()), b(h.size()), want = h;
-  cpu::rms_norm(m1.data(), rows, n, w1.data(), eps, a.data());
-  cpu::rms_norm(m2.data(), rows, n, w2.data(), eps, b.data());
-  for (size_t i = 0; i < a.size(); ++i) a[i] += b[i];
-  cpu::rms_norm(a.data(), rows, n, w.data(), eps, a.data());
-  for (size_t i = 0; i < want.size(); ++i) want[i] = (want[i] + a[i]) * 0.75f;
-  ffn_combine(dh.p, dm1.p, dm2.p, rows, n, dw1.p, dw2.p, dw.p, eps, 0.75f, nullptr);
-  EXPECT_LE(rel_err(dh.get(), want), 1e-5);
+    // h = (h + rms(rms(m1; w1) + rms(m2; w2); w)) * scalar
+    auto m1 = rnd(h.size(), -2, 2), m2 = rnd(h.size(), -5, 5), w = rnd(n, 0.5f, 1.5f);
+    Dev<bf16> dm1(m1.size());
+    Dev<float> dm2(m2.size()), dw(n);
+    dm1.put(to_bf16(m1)), dm2.put(m2), dw.put(w);
+    std::vector<float> a(h.size()), b(h.size()), want = h;
+    cpu::rms_norm(m1.data(), rows, n, w1.data(), eps, a.data());
+    cpu::rms_norm(m2.data(), rows, n, w2.data(), eps, b.data());
+    for (size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+    cpu::rms_norm(a.data(), rows, n, w.data(), eps, a.data());
+    for (size_t i = 0; i < want.size(); ++i) want[i] = (want[i] + a[i]) * 0.75f;
+    ffn_combine(dh.p, dm1.p, dm2.p, rows, n, dw1.p, dw2.p, dw.p, eps, 0.75f, nullptr);
+    EXPECT_LE(rel_err(dh.get(), want), 1e-5) << "n " << n;
+  }
 }
 
 TEST(CudaKernels, GeluMul) {
@@ -260,23 +265,61 @@ TEST(CudaKernels, Attention) {
 
 TEST(CudaKernels, RouteTopK) {
   REQUIRE_GPU();
-  const int T = 9, E = 37, k = 5;
-  auto logits = rnd(size_t(T) * E, -3, 3), pes = rnd(E, 0.5f, 1.5f);
-  for (int e = 0; e < E; ++e) logits[size_t(e)] = float(e % 3);  // row 0: many exact ties
-  Dev<float> dl(logits.size()), dp(E), w(size_t(T) * k);
-  Dev<int32_t> idx(size_t(T) * k);
-  dl.put(logits), dp.put(pes);
-  route_top_k(dl.p, T, E, k, dp.p, idx.p, w.p, nullptr);
-  auto gi = idx.get();
-  auto gw = w.get();
-  for (int t = 0; t < T; ++t) {
-    std::vector<int32_t> ei(static_cast<size_t>(k));
-    std::vector<float> ew(static_cast<size_t>(k));
-    cpu::route_top_k(logits.data() + size_t(t) * E, E, k, pes.data(), ei.data(), ew.data());
-    for (int j = 0; j < k; ++j) {
-      EXPECT_EQ(gi[size_t(t) * k + j], ei[size_t(j)]) << "token " << t << " slot " << j;
-      EXPECT_NEAR(gw[size_t(t) * k + j], ew[size_t(j)], 1e-5f);
+  // warp-per-token kernel (E <= 256): awkward sizes, the model's 128/8, a full 256; block kernel above 256 experts
+  for (auto [T, E, k] : {std::tuple{9, 37, 5}, std::tuple{300, 128, 8}, std::tuple{17, 256, 32}, std::tuple{5, 300, 9}}) {
+    auto logits = rnd(size_t(T) * E, -3, 3), pes = rnd(size_t(E), 0.5f, 1.5f);
+    for (int e = 0; e < E; ++e) logits[size_t(e)] = float(e % 3);  // row 0: many exact ties
+    Dev<float> dl(logits.size()), dp(static_cast<size_t>(E)), w(size_t(T) * k);
+    Dev<int32_t> idx(size_t(T) * k);
+    dl.put(logits), dp.put(pes);
+    route_top_k(dl.p, T, E, k, dp.p, idx.p, w.p, nullptr);
+    auto gi = idx.get();
+    auto gw = w.get();
+    for (int t = 0; t < T; ++t) {
+      std::vector<int32_t> ei(static_cast<size_t>(k));
+      std::vector<float> ew(static_cast<size_t>(k));
+      cpu::route_top_k(logits.data() + size_t(t) * E, E, k, pes.data(), ei.data(), ew.data());
+      for (int j = 0; j < k; ++j) {
+        EXPECT_EQ(gi[size_t(t) * k + j], ei[size_t(j)]) << "E " << E << " token " << t << " slot " << j;
+        EXPECT_NEAR(gw[size_t(t) * k + j], ew[size_t(j)], 1e-5f) << "E " << E;
+      }
     }
+  }
+}
+
+// moe_combine_ffn = the expert combine (ascending expert id) followed by the FFN output norms and residual.
+TEST(CudaKernels, MoeCombineFfn) {
+  REQUIRE_GPU();
+  for (auto [T, k, H, P] : {std::tuple{7, 3, 203, 40}, std::tuple{9, 5, 1000, 50}, std::tuple{33, 8, 2816, 300}}) {
+    const float eps = 1e-6f, scalar = 0.6f;
+    auto y = rnd(size_t(P) * H, -3, 3), wts = rnd(size_t(T) * k, 0.1f, 1.0f), h = rnd(size_t(T) * H, -4, 4);
+    auto m1 = rnd(size_t(T) * H, -2, 2), w1 = rnd(size_t(H), 0.5f, 1.5f), w2 = rnd(size_t(H), 0.5f, 1.5f);
+    auto wn = rnd(size_t(H), 0.5f, 1.5f);
+    std::vector<int32_t> idx(size_t(T) * k), spos(size_t(T) * k);
+    for (auto& e : idx) e = int32_t(rng() % 64);
+    for (auto& r : spos) r = int32_t(rng() % uint32_t(P));
+    Dev<float> dy(y.size()), dw(wts.size()), dh(h.size()), dw1(static_cast<size_t>(H)), dw2(static_cast<size_t>(H)), dwn(static_cast<size_t>(H));
+    Dev<bf16> dm1(m1.size());
+    Dev<int32_t> didx(idx.size()), dspos(spos.size());
+    dy.put(y), dw.put(wts), dh.put(h), dw1.put(w1), dw2.put(w2), dwn.put(wn), dm1.put(to_bf16(m1)), didx.put(idx);
+    dspos.put(spos);
+    moe_combine_ffn(dy.p, didx.p, dw.p, dspos.p, T, k, dh.p, dm1.p, H, dw1.p, dw2.p, dwn.p, eps, scalar, nullptr);
+    std::vector<float> m2(size_t(T) * H, 0.0f), a(m1.size()), b(m2.size()), want = h;
+    for (int t = 0; t < T; ++t) {
+      std::vector<int> order(static_cast<size_t>(k));
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int p, int q) { return idx[size_t(t) * k + p] < idx[size_t(t) * k + q]; });
+      for (int j : order)
+        for (int i = 0; i < H; ++i)
+          m2[size_t(t) * H + i] += wts[size_t(t) * k + j] * y[size_t(spos[size_t(t) * k + j]) * H + i];
+    }
+    cpu::rms_norm(m1.data(), T, H, w1.data(), eps, a.data());
+    cpu::rms_norm(m2.data(), T, H, w2.data(), eps, b.data());
+    for (size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+    cpu::rms_norm(a.data(), T, H, wn.data(), eps, a.data());
+    for (size_t i = 0; i < want.size(); ++i) want[i] = (want[i] + a[i]) * scalar;
+    EXPECT_LE(rel_err(dh.get(), want), 1e-5) << "T " << T << " H " << H;
   }
 }
 

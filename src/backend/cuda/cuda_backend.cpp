@@ -45,7 +45,7 @@ struct DevLayer {
 
 struct Scratch {
   int32_t* ids;
-  float *h, *xr, *rl, *wk, *m2, *y, *sig, *logits;
+  float *h, *xr, *rl, *wk, *y, *sig, *logits;
   bf16 *x, *x1, *xe, *qkv, *q, *kn, *vn, *att, *a, *gu, *actd, *m1, *xs, *acte, *probs;
   int32_t *idx, *offsets, *sorted_pos;
   cuda::DeviceRowStats* stats;
@@ -413,9 +413,8 @@ class CudaBackend final : public Backend {
     mark(kStGateUp);
     cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, cfg_.moe_intermediate_size, s_.y, stream_);
     mark(kStDown);
-    cuda::moe_combine(s_.y, s_.idx, s_.wk, s_.sorted_pos, T, K, H, s_.m2, stream_);
-    cuda::ffn_combine(s_.h, s_.m1, s_.m2, T, H, L.post_ff1, L.post_ff2, L.post_ff, eps,
-                      pass == Pass::Encoder ? L.enc_scalar : L.dec_scalar, stream_);
+    cuda::moe_combine_ffn(s_.y, s_.idx, s_.wk, s_.sorted_pos, T, K, s_.h, s_.m1, H, L.post_ff1, L.post_ff2,
+                          L.post_ff, eps, pass == Pass::Encoder ? L.enc_scalar : L.dec_scalar, stream_);
     mark(kStCombine);
   }
 
@@ -464,7 +463,6 @@ class CudaBackend final : public Backend {
     s_.xr = ar.take<float>(Tm * H);
     s_.rl = ar.take<float>(Tm * E);
     s_.wk = ar.take<float>(Tm * K);
-    s_.m2 = ar.take<float>(Tm * H);
     s_.y = ar.take<float>(Tm * K * H);
     s_.sig = ar.take<float>(Lc * H);
     s_.logits = ar.take<float>(Lc * V);

@@ -99,5 +99,9 @@ void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16*
 // out[t] = sum over the token's k slots in ascending expert id of w[t, j] * y[sorted_pos[t*k + j]]   (f32)
 void moe_combine(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
                  float* out, cudaStream_t s);
+// moe_combine into m2, then ffn_combine(h, m1, m2, ...), in one kernel (m2 never reaches global memory).
+void moe_combine_ffn(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
+                     float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
+                     float scalar, cudaStream_t s);
 
 }  // namespace dg::cuda

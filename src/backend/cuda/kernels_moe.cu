@@ -66,6 +66,58 @@ __global__ void route_top_k_k(const float* logits, int E, int k, const float* pe
   }
 }
 
+// One warp per token, the token's expert probabilities in registers (kPerLane per lane, E <= 32 * kPerLane): no
+// shared memory and no block barriers, where route_top_k_k spends two barriers per selected expert. Same rules:
+// float exp, double sum, p = float(e / sum), ties to the lower index.
+constexpr int kPerLane = 8;
+__global__ void route_top_k_warp_k(const float* logits, int T, int E, int k, const float* pes, int32_t* idx,
+                                   float* w) {
+  const int lane = threadIdx.x & 31, t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (t >= T) return;
+  const float* l = logits + size_t(t) * E;
+  float p[kPerLane];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int e = lane + 32 * j;
+    p[j] = e < E ? l[e] : -INFINITY;
+    mx = fmaxf(mx, p[j]);
+  }
+  mx = warp_max(mx);
+  double sum = 0;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    p[j] = lane + 32 * j < E ? expf(p[j] - mx) : 0.0f;
+    sum += p[j];
+  }
+  sum = warp_sum_d(sum);
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) p[j] = lane + 32 * j < E ? float(double(p[j]) / sum) : -1.0f;
+  float total = 0, my_v = 0;
+  int my_i = 0;
+  for (int s = 0; s < k; ++s) {
+    float bv = -2.0f;
+    int bi = INT32_MAX;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j)
+      if (p[j] > bv) bv = p[j], bi = lane + 32 * j;  // ascending index within a lane: first wins ties
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    }
+    total += bv;
+    if (lane == s) my_v = bv, my_i = bi;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j)
+      if (lane + 32 * j == bi) p[j] = -2.0f;  // taken
+  }
+  if (lane < k) {
+    idx[size_t(t) * k + lane] = my_i;
+    w[size_t(t) * k + lane] = my_v / total * pes[my_i];
+  }
+}
+
 // Single block: counts, exclusive scan and row assignment.
 __global__ void moe_assign_k(const int32_t* idx, int P, int E, int32_t* offsets, int32_t* sorted_pos) {
   extern __shared__ int cnt[];  // [E] counts, then cursors
@@ -114,6 +166,129 @@ __global__ void moe_combine_k(const float* y, const int32_t* idx, const float* w
   }
 }
 
+// moe_combine_k and ffn_combine_k (kernels_rows.cu) in one pass per token: the combined expert row m2 stays in shared
+// memory instead of a [T, H] f32 round trip through global memory and a second launch. Same arithmetic and order.
+__global__ void moe_combine_ffn_k(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k,
+                                  float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* wn,
+                                  float eps, float scalar) {
+  extern __shared__ float row[];  // [H]: m2, then the pre-norm sum
+  __shared__ int src_row[kMaxTopK];
+  __shared__ float src_w[kMaxTopK];
+  const int t = blockIdx.x;
+  if (threadIdx.x == 0) {
+    int order[kMaxTopK];
+    for (int j = 0; j < k; ++j) order[j] = j;
+    for (int j = 1; j < k; ++j)  // insertion sort by expert id: HF's index_add_ order
+      for (int i = j; i > 0 && idx[t * k + order[i]] < idx[t * k + order[i - 1]]; --i) {
+        int tmp = order[i];
+        order[i] = order[i - 1];
+        order[i - 1] = tmp;
+      }
+    for (int j = 0; j < k; ++j) src_row[j] = sorted_pos[t * k + order[j]], src_w[j] = w[t * k + order[j]];
+  }
+  __syncthreads();
+  const size_t off = size_t(t) * H;
+  float s1 = 0, s2 = 0;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    float acc = 0;
+    for (int j = 0; j < k; ++j) acc += src_w[j] * y[size_t(src_row[j]) * H + i];
+    row[i] = acc;
+    const float a = __bfloat162float(m1[off + i]);
+    s1 += a * a;
+    s2 += acc * acc;
+  }
+  const float inv1 = rsqrtf(block_sum(s1) / float(H) + eps);
+  const float inv2 = rsqrtf(block_sum(s2) / float(H) + eps);
+  float s3 = 0;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    const float v = __bfloat162float(m1[off + i]) * inv1 * w1[i] + row[i] * inv2 * w2[i];
+    row[i] = v;
+    s3 += v * v;
+  }
+  const float inv3 = rsqrtf(block_sum(s3) / float(H) + eps);
+  for (int i = threadIdx.x; i < H; i += blockDim.x) h[off + i] = (h[off + i] + row[i] * inv3 * wn[i]) * scalar;
+}
+
+// The same with the row in registers and the k expert rows of one 16-byte chunk loaded before they are summed
+// (the scalar loop above waits on one 4-byte load per expert and element: ~30 us per layer at T = 256).
+constexpr int kCombineThreads = 256;
+template <int NV, int KMAX>
+__global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
+    const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
+    int H, const float* w1, const float* w2, const float* wn, float eps, float scalar) {
+  __shared__ int src_row[KMAX];
+  __shared__ float src_w[KMAX];
+  const int t = blockIdx.x, H4 = H / 4;
+  if (threadIdx.x == 0) {
+    int order[KMAX];
+    for (int j = 0; j < k; ++j) order[j] = j;
+    for (int j = 1; j < k; ++j)  // insertion sort by expert id: HF's index_add_ order
+      for (int i = j; i > 0 && idx[t * k + order[i]] < idx[t * k + order[i - 1]]; --i) {
+        int tmp = order[i];
+        order[i] = order[i - 1];
+        order[i - 1] = tmp;
+      }
+    for (int j = 0; j < k; ++j) src_row[j] = sorted_pos[t * k + order[j]], src_w[j] = w[t * k + order[j]];
+  }
+  __syncthreads();
+  const size_t off = size_t(t) * H;
+  float4 m2[NV], a1[NV];
+  float s1 = 0, s2 = 0;
+#pragma unroll
+  for (int q = 0; q < NV; ++q) {
+    const int c = threadIdx.x + q * kCombineThreads;
+    float4 acc = make_float4(0, 0, 0, 0), a = acc;
+    if (c < H4) {
+      float4 ys[KMAX];
+#pragma unroll
+      for (int j = 0; j < KMAX; ++j)
+        if (j < k) ys[j] = reinterpret_cast<const float4*>(y + size_t(src_row[j]) * H)[c];
+#pragma unroll
+      for (int j = 0; j < KMAX; ++j)
+        if (j < k) {
+          acc.x += src_w[j] * ys[j].x;
+          acc.y += src_w[j] * ys[j].y;
+          acc.z += src_w[j] * ys[j].z;
+          acc.w += src_w[j] * ys[j].w;
+        }
+      const uint2 u = reinterpret_cast<const uint2*>(m1 + off)[c];
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+      a = make_float4(lo.x, lo.y, hi.x, hi.y);
+    }
+    m2[q] = acc, a1[q] = a;
+    s1 += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+    s2 += acc.x * acc.x + acc.y * acc.y + acc.z * acc.z + acc.w * acc.w;
+  }
+  const float inv1 = rsqrtf(block_sum(s1) / float(H) + eps);
+  const float inv2 = rsqrtf(block_sum(s2) / float(H) + eps);
+  float s3 = 0;
+#pragma unroll
+  for (int q = 0; q < NV; ++q) {
+    const int c = threadIdx.x + q * kCombineThreads;
+    if (c < H4) {
+      const float4 p = reinterpret_cast<const float4*>(w1)[c], r = reinterpret_cast<const float4*>(w2)[c];
+      m2[q] = make_float4(a1[q].x * inv1 * p.x + m2[q].x * inv2 * r.x, a1[q].y * inv1 * p.y + m2[q].y * inv2 * r.y,
+                          a1[q].z * inv1 * p.z + m2[q].z * inv2 * r.z, a1[q].w * inv1 * p.w + m2[q].w * inv2 * r.w);
+      s3 += m2[q].x * m2[q].x + m2[q].y * m2[q].y + m2[q].z * m2[q].z + m2[q].w * m2[q].w;
+    }
+  }
+  const float inv3 = rsqrtf(block_sum(s3) / float(H) + eps);
+#pragma unroll
+  for (int q = 0; q < NV; ++q) {
+    const int c = threadIdx.x + q * kCombineThreads;
+    if (c < H4) {
+      const float4 p = reinterpret_cast<const float4*>(wn)[c];
+      float4 hv = reinterpret_cast<float4*>(h + off)[c];
+      hv.x = (hv.x + m2[q].x * inv3 * p.x) * scalar;
+      hv.y = (hv.y + m2[q].y * inv3 * p.y) * scalar;
+      hv.z = (hv.z + m2[q].z * inv3 * p.z) * scalar;
+      hv.w = (hv.w + m2[q].w * inv3 * p.w) * scalar;
+      reinterpret_cast<float4*>(h + off)[c] = hv;
+    }
+  }
+}
+
 }  // namespace
 
 void route_top_k(const float* logits, int T, int E, int k, const float* per_expert_scale, int32_t* idx, float* w,
@@ -121,8 +296,13 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
   if (T == 0) return;
   if (k > kMaxTopK || k > E || E > 4096)
     throw_cuda_error("route_top_k", "unsupported expert count / top-k", 0, __FILE__, __LINE__);
-  int threads = E >= 1024 ? 1024 : (E + 31) / 32 * 32;
-  route_top_k_k<<<T, threads, size_t(E) * sizeof(float), s>>>(logits, E, k, per_expert_scale, idx, w);
+  if (E <= 32 * kPerLane && k <= 32) {
+    constexpr int kWarps = 8;
+    route_top_k_warp_k<<<(T + kWarps - 1) / kWarps, 32 * kWarps, 0, s>>>(logits, T, E, k, per_expert_scale, idx, w);
+  } else {
+    int threads = E >= 1024 ? 1024 : (E + 31) / 32 * 32;
+    route_top_k_k<<<T, threads, size_t(E) * sizeof(float), s>>>(logits, E, k, per_expert_scale, idx, w);
+  }
   CUDA_CHECK_LAUNCH();
 }
 
@@ -140,6 +320,22 @@ void moe_combine(const float* y, const int32_t* idx, const float* w, const int32
                  float* out, cudaStream_t s) {
   if (T == 0) return;
   moe_combine_k<<<T, 256, 0, s>>>(y, idx, w, sorted_pos, k, H, out);
+  CUDA_CHECK_LAUNCH();
+}
+
+void moe_combine_ffn(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
+                     float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
+                     float scalar, cudaStream_t s) {
+  if (T == 0) return;
+  if (k > kMaxTopK) throw_cuda_error("moe_combine_ffn", "top-k above 32", 0, __FILE__, __LINE__);
+  const int nv = H % 4 == 0 ? (H / 4 + kCombineThreads - 1) / kCombineThreads : 0;
+  if (k <= 8 && nv >= 1 && nv <= 3) {
+    auto* kern = nv == 1 ? moe_combine_ffn_vec_k<1, 8> : nv == 2 ? moe_combine_ffn_vec_k<2, 8> : moe_combine_ffn_vec_k<3, 8>;
+    kern<<<T, kCombineThreads, 0, s>>>(y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post, eps, scalar);
+  } else {
+    moe_combine_ffn_k<<<T, 256, size_t(H) * sizeof(float), s>>>(y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
+                                                                 eps, scalar);
+  }
   CUDA_CHECK_LAUNCH();
 }
 
