@@ -383,7 +383,8 @@ TEST(CudaKernels, SoftcapRowStats) {
   Dev<DeviceRowStats> st(rows);
   dl.put(logits);
   const float T = 0.61f;
-  softcap_row_stats(dl.p, rows, V, 30.0f, T, st.p, nullptr);
+  Dev<bf16> probs(logits.size());
+  softcap_row_stats(dl.p, rows, V, 30.0f, T, st.p, nullptr, probs.p);
   auto capped = dl.get();
   auto want_capped = logits;
   cpu::softcap(want_capped.data(), int64_t(want_capped.size()), 30.0f);
@@ -396,6 +397,16 @@ TEST(CudaKernels, SoftcapRowStats) {
     EXPECT_FLOAT_EQ(got[size_t(r)].max_z, w.max_z);
     EXPECT_NEAR(got[size_t(r)].logsumexp, w.logsumexp, 1e-5 * std::max(1.0f, std::fabs(w.logsumexp)));
     EXPECT_NEAR(got[size_t(r)].entropy, w.entropy, 1e-5 * std::max(1.0f, w.entropy)) << "row " << r;
+  }
+  // the SC probs written by the same pass: softmax(capped / T), per row, to bf16 rounding
+  auto gp = from_bf16(probs.get());
+  for (int r = 0; r < rows; ++r) {
+    std::vector<float> want(static_cast<size_t>(V)), got_row(gp.begin() + ptrdiff_t(r) * V, gp.begin() + ptrdiff_t(r + 1) * V);
+    double mx = -INFINITY, sum = 0;
+    for (int i = 0; i < V; ++i) mx = std::max(mx, double(capped[size_t(r) * V + i] / T));
+    for (int i = 0; i < V; ++i) sum += std::exp(double(capped[size_t(r) * V + i] / T) - mx);
+    for (int i = 0; i < V; ++i) want[size_t(i)] = float(std::exp(double(capped[size_t(r) * V + i] / T) - mx) / sum);
+    EXPECT_LE(rel_err(got_row, want), 8e-3) << "probs row " << r;
   }
 }
 

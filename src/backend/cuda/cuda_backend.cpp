@@ -199,7 +199,7 @@ class CudaBackend final : public Backend {
         if (prev_rows_ != L)
           fail("denoise: SelfCondition::PreviousStep needs a previous denoise of the same canvas length ({} vs {})",
                prev_rows_, L);
-        soft_embedding(L, prev_temperature_);
+        probs_through_table(L);  // probs = softmax(previous logits / previous T), written by that step's stats pass
         break;
       case SelfCondition::External:
         if (int64_t(req.sc_logits.size()) != int64_t(L) * V)
@@ -231,7 +231,9 @@ class CudaBackend final : public Backend {
     cuda::rms_norm_f32_to_bf16(s_.h, L, H, final_norm_, eps, s_.x, stream_);
     gemm_->linear(s_.x, Dt::BF16, L, embed_, Dt::BF16, V, H, s_.logits, Dt::F32, stream_);
     mark(kStLmHead);
-    cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats, stream_);
+    // The probs for a PreviousStep SC input of the next step come out of the same pass (softmax at this T).
+    cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats, stream_,
+                            s_.probs);
     CUDA_CHECK(cudaMemcpyAsync(host_stats_, s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats),
                                cudaMemcpyDeviceToHost, stream_));
     mark(kStRowStats);
@@ -250,7 +252,6 @@ class CudaBackend final : public Backend {
       out.rows[size_t(r)] = RowStats{d.argmax, d.max_z, d.logsumexp, d.entropy};
     }
     prev_rows_ = L;
-    prev_temperature_ = req.temperature;
   }
 
   void set_layer_trace(LayerTrace* trace) override { trace_ = trace; }
@@ -351,6 +352,9 @@ class CudaBackend final : public Backend {
   // sig = softmax(logits / T) @ E (the sqrt(H) factor is applied by the caller)
   void soft_embedding(int L, float temperature) {
     cuda::softmax_rows_bf16(s_.logits, L, cfg_.vocab_size, temperature, s_.probs, stream_);
+    probs_through_table(L);
+  }
+  void probs_through_table(int L) {
     gemm_->through_table(s_.probs, Dt::BF16, L, embed_, Dt::BF16, cfg_.vocab_size, cfg_.hidden_size, s_.sig, Dt::F32,
                          stream_);
   }
@@ -631,7 +635,6 @@ class CudaBackend final : public Backend {
   cuda::DeviceRowStats* host_stats_ = nullptr;
   int64_t kv_len_ = 0;
   int prev_rows_ = 0;
-  float prev_temperature_ = 1.0f;
   LayerTrace* trace_ = nullptr;
   bool timing_ = false;  // this denoise records CudaStageTimes marks
   std::vector<cudaEvent_t> events_;

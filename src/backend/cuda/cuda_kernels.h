@@ -44,12 +44,13 @@ void kv_write(const bf16* k_new, const bf16* v_new, int T, int row, int64_t pos0
               int64_t cap, cudaStream_t s);
 
 // In place: logits = cap * tanh(logits / cap) and per-row stats of z = logits / T (dg::compute_row_stats).
+// probs != nullptr: also probs = softmax(z) as bf16 (what softmax_rows_bf16 gives for the capped logits at T).
 struct DeviceRowStats {
   int32_t argmax;
   float max_z, logsumexp, entropy;
 };
 void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
-                       cudaStream_t s);
+                       cudaStream_t s, bf16* probs = nullptr);
 // probs[r, :] = softmax(logits[r, :] / temperature) as bf16 (temperature 1 for already-tempered input).
 void softmax_rows_bf16(const float* logits, int rows, int V, float temperature, bf16* probs, cudaStream_t s);
 // out = in * scale (f32, in place allowed)

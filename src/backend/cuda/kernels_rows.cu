@@ -281,7 +281,8 @@ __device__ __forceinline__ void better(float& bv, int& bi, float v, int i) {
   if (v > bv || (v == bv && i < bi)) bv = v, bi = i;
 }
 
-__global__ void softcap_row_stats_k(float* logits, int V, float cap, float temperature, DeviceRowStats* stats) {
+__global__ void softcap_row_stats_k(float* logits, int V, float cap, float temperature, DeviceRowStats* stats,
+                                    bf16* probs) {
   __shared__ float sv[32];
   __shared__ int si[32];
   __shared__ float best_s;
@@ -331,6 +332,13 @@ __global__ void softcap_row_stats_k(float* logits, int V, float cap, float tempe
     r.logsumexp = float(best + log(sum));
     r.entropy = float(fmax(0.0, log(sum) - weighted / sum));
     stats[blockIdx.x] = r;
+  }
+  // The next step's SC soft-embedding input, softmax(z) as bf16: written here from the row's own max and sum saves
+  // softmax_rows_bf16's three passes over the 1 MB row.
+  if (probs) {
+    const float inv = float(1.0 / sum);
+    bf16* out = probs + size_t(blockIdx.x) * V;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) out[i] = __float2bfloat16(expf(row[i] / temperature - best) * inv);
   }
 }
 
@@ -475,9 +483,9 @@ void kv_write(const bf16* k_new, const bf16* v_new, int T, int row, int64_t pos0
   CUDA_CHECK_LAUNCH();
 }
 void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
-                       cudaStream_t s) {
+                       cudaStream_t s, bf16* probs) {
   if (rows == 0) return;
-  softcap_row_stats_k<<<rows, 1024, 0, s>>>(logits, V, softcap, temperature, stats);
+  softcap_row_stats_k<<<rows, 1024, 0, s>>>(logits, V, softcap, temperature, stats, probs);
   CUDA_CHECK_LAUNCH();
 }
 void softmax_rows_bf16(const float* logits, int rows, int V, float temperature, bf16* probs, cudaStream_t s) {
