@@ -328,7 +328,9 @@ TEST(CudaKernels, MoeGroupedExperts) {
   for (auto [T, E, k, H, I] : {std::tuple{37, 6, 2, 40, 24}, std::tuple{300, 16, 4, 136, 72},
                                std::tuple{40, 16, 8, 2816, 704},
                                // > 64 rows per expert (several m-tiles) with a deep k pipeline and a ragged K tail
-                               std::tuple{200, 8, 4, 1000, 200}}) {
+                               std::tuple{200, 8, 4, 1000, 200},
+                               // ~300 rows per expert (prefill kernel: several m-tiles in one ring), one unused expert
+                               std::tuple{600, 4, 2, 264, 88}}) {
     auto x = rnd(size_t(T) * H), gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
     auto wts = rnd(size_t(T) * k, 0.1f, 1.0f);
     std::vector<int32_t> idx(size_t(T) * k);

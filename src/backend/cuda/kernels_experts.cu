@@ -1,7 +1,24 @@
-// Grouped expert GEMMs on tensor cores (WMMA bf16, f32 accumulate) with the GELU-tanh gate fused into the gate_up
+// Grouped expert GEMMs on tensor cores (bf16, f32 accumulate) with the GELU-tanh gate fused into the gate_up
 // epilogue. Rows arrive grouped by expert (kernels_moe.cu moe_group).
+//
+// Two kernels, picked by the average rows per expert (kStreamMinAvgRows):
+// - moe_tiled_k (decode, ~16 rows per expert at L = 256 top-8 of 128): WMMA 64x128x64 tiles, one block per
+//   (n-tile, expert), a 4-stage cp.async ring, 2 blocks per SM. It reads every expert's weights each launch and is
+//   memory-bound (~3.37 / 3.02 TB/s gate_up / down on the H200, 2026-11-30, tools/gpu/microbench/experts_bench.cu).
+// - moe_stream_k (prefill, >= kStreamMinAvgRows rows per expert): the same tile and ring, but mma.sync m16n8k16 fed
+//   by ldmatrix, M in 16-row fragments, the epilogue straight from the accumulator registers (each warp holds gate
+//   columns and the matching up columns), and one cp.async ring that runs on across the 64-row m-tiles of its
+//   item instead of draining per m-tile. At P = 32768 it is bit-identical to moe_tiled_k and ~8% (gate_up) / ~15%
+//   (down) faster; at decode it is ~15% slower, hence the split.
+// What did NOT help at decode (same bench, same day): making moe_stream_k persistent (grid = resident blocks
+// walking a static item list, ring running across items: 1.2-2.7 TB/s), deeper rings (11 stages, 80 KB in flight
+// per SM: slowest), rotating each item's k start to break lockstep. Per block, an iteration took ~1 us whatever the
+// ring depth; throughput grew only with resident blocks. The next thing to try is taking the weight loads off the
+// per-thread cp.async path (TMA bulk copies completing on an mbarrier, or register-direct loads).
+// Both kernels compute every output element in one block in a fixed k order (no atomics): deterministic.
 #include <mma.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "backend/cuda/cuda_check.h"
@@ -22,13 +39,13 @@ constexpr int LDX = GK + 8, LDC = GN + 4;
 // and the epilogue writes gelu(gate) * up; otherwise they are output columns n0..n0+127 written as f32. The X and W
 // tiles stream through a kMoeStages-deep cp.async ring in shared memory: 3 tiles (~55 KB) in flight per block,
 // 2 blocks per SM. (The previous version staged one tile per block through registers: ~3.0 instead of ~3.3 TB/s
-// on the H200, docs/BENCHMARKS.md 2026-11-29.)
+// on the H200, docs/BENCHMARKS.md 2026-11-29.) Used for decode shapes; see the file header.
 constexpr int kMoeStages = 4;
 constexpr int kStageBytes = (GM + GN) * LDX * 2;
 constexpr int kMoeSmem = kMoeStages * kStageBytes > GM * LDC * 4 ? kMoeStages * kStageBytes : GM * LDC * 4;
 
 template <bool GATED>
-__global__ void __launch_bounds__(kGemmThreads, 2) moe_gemm_k(const bf16* X, const int32_t* offsets, const bf16* W,
+__global__ void __launch_bounds__(kGemmThreads, 2) moe_tiled_k(const bf16* X, const int32_t* offsets, const bf16* W,
                                                               int N, int K, bf16* act, float* y) {
   extern __shared__ __align__(128) unsigned char smem[];
   float* Cs = reinterpret_cast<float*>(smem);  // epilogue only: aliases the drained stages
@@ -128,10 +145,245 @@ template <bool GATED>
 void raise_smem_limit() {
   static bool done = false;  // one flag per instantiation
   if (!done) {
-    CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_k<GATED>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMoeSmem));
+    CUDA_CHECK(cudaFuncSetAttribute(moe_tiled_k<GATED>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMoeSmem));
     done = true;
   }
 }
+
+// ---- streaming kernel (prefill shapes; persistent mode kept for the bench, see the file header) ----
+// A block walks items blockIdx.x, blockIdx.x + gridDim.x, ... (item = expert * n-tiles + n-tile), each item's
+// 64-row m-tiles, and each m-tile's k-tiles, as one stream of k-tiles through the cp.async ring.
+constexpr int kStreamThreads = 256;  // 8 warps: 2 (32-row halves of the 64-row m-tile) x 4 (column groups)
+constexpr int SM_ = 64;              // rows per m-tile
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(a));
+}
+__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int GNI, int SK, int S>
+struct StreamCfg {
+  static constexpr int LD = SK + 8;  // padded row (elements): ldmatrix rows land in distinct banks
+  static constexpr int kStage = (SM_ + GNI) * LD * 2;
+  static constexpr int kRing = S * kStage;
+  static int smem(int E) { return kRing + (E + 1) * 4; }
+};
+
+// GNI weight rows per item (GATED: GNI/2 gate rows n0.. and the matching GNI/2 up rows I + n0..; otherwise output
+// columns n0..n0+GNI-1), SK-deep k-tiles, an S-stage ring. ROT: item i walks its k-tiles starting at i % nk
+// (a fixed order per item, so still deterministic), so that blocks running in lockstep do not all read the same
+// column of their weight rows at once.
+template <bool GATED, int GNI, int SK, int S, bool ROT>
+__global__ void __launch_bounds__(kStreamThreads, 1)
+    moe_stream_k(const bf16* X, const int32_t* offsets, int E, const bf16* W, int N, int K, bf16* act, float* y) {
+  using C = StreamCfg<GNI, SK, S>;
+  constexpr int LD = C::LD, NF = GNI / 32, NO = GATED ? GNI / 2 : GNI;  // NF: n8 fragments per warp
+  extern __shared__ __align__(128) unsigned char smem[];
+  int* offs = reinterpret_cast<int*>(smem + C::kRing);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
+  for (int i = tid; i <= E; i += kStreamThreads) offs[i] = offsets[i];
+  __syncthreads();
+  const int ntn = (N + NO - 1) / NO, items = E * ntn, kvec = K / 8, nk = (K + SK - 1) / SK;
+  const int w_rows_total = GATED ? 2 * N : N;
+
+  // A position in this block's stream of k-tiles: item (expert * ntn + n-tile), m-tile start row, k-tile.
+  struct Cur {
+    int item, m0, kt;
+  };
+  auto first = [&](int it) {  // first item >= it of this block's stride with rows
+    while (it < items && offs[it / ntn + 1] == offs[it / ntn]) it += gridDim.x;
+    return Cur{it, it < items ? offs[it / ntn] : 0, 0};
+  };
+  auto next = [&](Cur c) {
+    if (++c.kt < nk) return c;
+    c.kt = 0;
+    c.m0 += SM_;
+    if (c.m0 < offs[c.item / ntn + 1]) return c;
+    return first(c.item + gridDim.x);
+  };
+  // Frame row (0..GNI-1 in the stage's W tile) of this warp's n8 fragment j.
+  auto frow = [&](int j) {
+    if (GATED) return (j < NF / 2 ? 0 : GNI / 2) + wn * (NF / 2) * 8 + (j % (NF / 2)) * 8;
+    return wn * NF * 8 + j * 8;
+  };
+
+  auto load_stage = [&](int st, const Cur& c) {
+    bf16* Xs = reinterpret_cast<bf16*>(smem + st * C::kStage);
+    bf16* Ws = Xs + SM_ * LD;
+    const int e = c.item / ntn, nt = c.item % ntn, m_valid = min(SM_, offs[e + 1] - c.m0);
+    int kt = c.kt;
+    if (ROT) {
+      kt += c.item % nk;
+      if (kt >= nk) kt -= nk;
+    }
+    const int m_rows = (m_valid + 15) & ~15, kc0 = kt * (SK / 8);
+    const bf16* We = W + size_t(e) * w_rows_total * K;
+    for (int i = tid; i < m_rows * (SK / 8); i += kStreamThreads) {
+      const int r = i / (SK / 8), cc = i % (SK / 8), kc = kc0 + cc;
+      const bool ok = r < m_valid && kc < kvec;
+      cp_async16(Xs + r * LD + cc * 8, ok ? X + size_t(c.m0 + r) * K + size_t(kc) * 8 : X, ok);
+    }
+#pragma unroll
+    for (int u = 0; u < GNI * (SK / 8) / kStreamThreads; ++u) {
+      const int i = tid + u * kStreamThreads, r = i / (SK / 8), cc = i % (SK / 8), kc = kc0 + cc;
+      int wr;
+      bool ok;
+      if (GATED) {
+        const int col = nt * NO + (r % (GNI / 2));
+        ok = col < N;
+        wr = r < GNI / 2 ? col : N + col;
+      } else {
+        wr = nt * NO + r;
+        ok = wr < N;
+      }
+      ok = ok && kc < kvec;
+      cp_async16(Ws + r * LD + cc * 8, ok ? We + size_t(wr) * K + size_t(kc) * 8 : We, ok);
+    }
+  };
+
+  float acc[2][NF][4];
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[mi][j][q] = 0.0f;
+
+  Cur ld = first(blockIdx.x), cs = ld;
+  // Every iteration commits one group (possibly empty), so "all but the newest S - 2 groups done" always means
+  // "the tile about to be consumed has landed".
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (ld.item < items) {
+      load_stage(st, ld);
+      ld = next(ld);
+    }
+    cp_async_commit();
+  }
+  int st_c = 0, st_l = S - 1;
+  while (cs.item < items) {
+    cp_async_wait<S - 2>();
+    __syncthreads();  // tile cs visible to all warps; stage st_l (consumed last iteration) is no longer read
+    if (ld.item < items) {
+      load_stage(st_l, ld);
+      ld = next(ld);
+    }
+    cp_async_commit();
+    st_l = st_l + 1 == S ? 0 : st_l + 1;
+
+    const int e = cs.item / ntn, m_valid = min(SM_, offs[e + 1] - cs.m0);
+    const bf16* Xs = reinterpret_cast<const bf16*>(smem + st_c * C::kStage);
+    const bf16* Ws = Xs + SM_ * LD;
+    st_c = st_c + 1 == S ? 0 : st_c + 1;
+    if (wm * 32 < m_valid) {
+      const bool two = wm * 32 + 16 < m_valid;
+#pragma unroll
+      for (int kk = 0; kk < SK; kk += 16) {
+        uint32_t b[NF][2];
+#pragma unroll
+        for (int p = 0; p < NF / 2; ++p)
+          ldmatrix_x4(b[2 * p][0], b[2 * p][1], b[2 * p + 1][0], b[2 * p + 1][1],
+                      Ws + (frow(2 * p + (lane >> 4)) + (lane & 7)) * LD + kk + ((lane >> 3) & 1) * 8);
+        uint32_t a[4];
+        ldmatrix_x4(a[0], a[1], a[2], a[3], Xs + (wm * 32 + (lane & 15)) * LD + kk + (lane >> 4) * 8);
+#pragma unroll
+        for (int j = 0; j < NF; ++j) mma_bf16(acc[0][j], a, b[j][0], b[j][1]);
+        if (two) {
+          ldmatrix_x4(a[0], a[1], a[2], a[3], Xs + (wm * 32 + 16 + (lane & 15)) * LD + kk + (lane >> 4) * 8);
+#pragma unroll
+          for (int j = 0; j < NF; ++j) mma_bf16(acc[1][j], a, b[j][0], b[j][1]);
+        }
+      }
+    }
+
+    if (cs.kt == nk - 1) {  // epilogue from registers; the ring keeps streaming
+      const int nt = cs.item % ntn;
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = wm * 32 + mi * 16 + h * 8 + (lane >> 2);
+          if (r >= m_valid) continue;
+          const size_t row = size_t(cs.m0 + r);
+          if (GATED) {
+#pragma unroll
+            for (int j = 0; j < NF / 2; ++j) {
+              const int col = nt * NO + wn * (NF / 2) * 8 + j * 8 + (lane & 3) * 2;
+              const float v0 = gelu_tanh(acc[mi][j][2 * h]) * acc[mi][j + NF / 2][2 * h];
+              const float v1 = gelu_tanh(acc[mi][j][2 * h + 1]) * acc[mi][j + NF / 2][2 * h + 1];
+              if (col + 1 < N && (N & 1) == 0) {
+                *reinterpret_cast<__nv_bfloat162*>(act + row * N + col) = __floats2bfloat162_rn(v0, v1);
+              } else {
+                if (col < N) act[row * N + col] = __float2bfloat16(v0);
+                if (col + 1 < N) act[row * N + col + 1] = __float2bfloat16(v1);
+              }
+            }
+          } else {
+#pragma unroll
+            for (int j = 0; j < NF; ++j) {
+              const int col = nt * NO + wn * NF * 8 + j * 8 + (lane & 3) * 2;
+              const float v0 = acc[mi][j][2 * h], v1 = acc[mi][j][2 * h + 1];
+              if (col + 1 < N && (N & 1) == 0) {
+                *reinterpret_cast<float2*>(y + row * N + col) = make_float2(v0, v1);
+              } else {
+                if (col < N) y[row * N + col] = v0;
+                if (col + 1 < N) y[row * N + col + 1] = v1;
+              }
+            }
+          }
+        }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int j = 0; j < NF; ++j)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[mi][j][q] = 0.0f;
+    }
+    cs = next(cs);
+  }
+  cp_async_wait<0>();  // no copy may be in flight when the block exits
+}
+
+// PERSIST: grid = resident blocks (at most one per item), each walking many items; otherwise one block per item
+// (what moe_gate_up / moe_down use).
+template <bool GATED, int GNI, int SK, int S, bool ROT, bool PERSIST = true>
+void launch_stream(const bf16* X, const int32_t* offsets, int E, const bf16* W, int N, int K, bf16* act, float* y,
+                   cudaStream_t s) {
+  using C = StreamCfg<GNI, SK, S>;
+  static int grid_per_sm = 0, n_sm = 0, smem_set = 0;  // one set per instantiation
+  const int smem = C::smem(E);
+  if (smem > smem_set) {
+    CUDA_CHECK(cudaFuncSetAttribute(moe_stream_k<GATED, GNI, SK, S, ROT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    smem));
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&grid_per_sm, moe_stream_k<GATED, GNI, SK, S, ROT>,
+                                                             kStreamThreads, smem));
+    if (grid_per_sm < 1) throw_cuda_error("moe_stream_k", "does not fit on an SM", 0, __FILE__, __LINE__);
+    smem_set = smem;
+  }
+  const int items = E * ((N + (GATED ? GNI / 2 : GNI) - 1) / (GATED ? GNI / 2 : GNI));
+  const int grid = PERSIST ? std::min(items, grid_per_sm * n_sm) : items;
+  moe_stream_k<GATED, GNI, SK, S, ROT><<<grid, kStreamThreads, smem, s>>>(X, offsets, E, W, N, K, act, y);
+  CUDA_CHECK_LAUNCH();
+}
+
+// Measured on the H200 (tools/gpu/microbench/experts_bench.cu, 2026-11-30): 128 weight rows x 64 k per stage,
+// 4 stages, one block per item, no k rotation.
+constexpr int kStreamGNI = 128, kStreamSK = 64, kStreamStages = 4;
+constexpr bool kStreamRot = false, kStreamPersist = false;
+// Average rows per expert from which moe_stream_k is used (measured: faster at 256, slower at 16; between, untested).
+constexpr int kStreamMinAvgRows = 64;
 
 }  // namespace
 
@@ -139,9 +391,13 @@ void moe_gate_up(const bf16* xs, const int32_t* offsets, int E, int P, const bf1
                  cudaStream_t s) {
   if (P == 0) return;
   if (H % 8 != 0) throw_cuda_error("moe_gate_up", "hidden size must be a multiple of 8", 0, __FILE__, __LINE__);
+  if (P >= kStreamMinAvgRows * E) {
+    launch_stream<true, kStreamGNI, kStreamSK, kStreamStages, kStreamRot, kStreamPersist>(xs, offsets, E, Wgu, I, H, act, nullptr, s);
+    return;
+  }
   dim3 grid((I + GN / 2 - 1) / (GN / 2), E);
   raise_smem_limit<true>();
-  moe_gemm_k<true><<<grid, kGemmThreads, kMoeSmem, s>>>(xs, offsets, Wgu, I, H, act, nullptr);
+  moe_tiled_k<true><<<grid, kGemmThreads, kMoeSmem, s>>>(xs, offsets, Wgu, I, H, act, nullptr);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -149,9 +405,13 @@ void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16*
               cudaStream_t s) {
   if (P == 0) return;
   if (I % 8 != 0) throw_cuda_error("moe_down", "expert width must be a multiple of 8", 0, __FILE__, __LINE__);
+  if (P >= kStreamMinAvgRows * E) {
+    launch_stream<false, kStreamGNI, kStreamSK, kStreamStages, kStreamRot, kStreamPersist>(act, offsets, E, Wd, H, I, nullptr, y, s);
+    return;
+  }
   dim3 grid((H + GN - 1) / GN, E);
   raise_smem_limit<false>();
-  moe_gemm_k<false><<<grid, kGemmThreads, kMoeSmem, s>>>(act, offsets, Wd, H, I, nullptr, y);
+  moe_tiled_k<false><<<grid, kGemmThreads, kMoeSmem, s>>>(act, offsets, Wd, H, I, nullptr, y);
   CUDA_CHECK_LAUNCH();
 }
 
