@@ -261,6 +261,15 @@ TEST(CudaKernels, Attention) {
   check_attention(130, 16, 8, 256, 1535, 0, 5, true, 64);  // window inside the new chunk
   // full-size full layer, bidirectional denoise over many cp.async K/V tiles (n_old not a multiple of the tile)
   check_attention(40, 16, 2, 512, 800, 0, 651, false, 0);
+  // Awkward sizes: one query; a grid big enough to run unsplit (causal, window reaching into the wrapped ring);
+  // split-KV over a wrapped ring with a ragged last row tile; head dims 48 / 80 / 128 with groups 3 and 8.
+  check_attention(1, 16, 8, 256, 1535, 500, 1023, false, 0);
+  check_attention(600, 16, 8, 256, 2048, 100, 900, true, 1024);
+  check_attention(300, 16, 2, 512, 1000, 7, 333, true, 0);
+  check_attention(257, 16, 2, 512, 400, 350, 300, false, 0);
+  check_attention(100, 6, 2, 48, 70, 3, 61, false, 0);
+  check_attention(77, 8, 1, 128, 130, 0, 129, true, 16);
+  check_attention(50, 4, 4, 80, 64, 10, 60, false, 0);
 }
 
 TEST(CudaKernels, RouteTopK) {

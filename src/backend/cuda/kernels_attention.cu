@@ -1,12 +1,35 @@
-// Flash-style attention on tensor cores (mma.sync m16n8k16 bf16, f32 accumulate): one block per (32 query rows,
-// kv head), where the rows are (query, head-of-the-group) pairs so that the K/V tiles of one kv head serve all its
-// query heads. Scores stay f32 through an online softmax; P is rounded to bf16 for the P.V product (as HF's eager
-// path does). The O accumulator lives in registers (FlashAttention-2 style): warp w owns row group w/4 and a quarter
-// of the head dim, so the online-softmax rescale is a register multiply (a 32 x 512 f32 O tile in shared memory
-// cost a load + rescale + store pass of 64 KB per key tile and 66 KB of smem). A whole row's O does not fit one
-// warp at D = 512 (256 f32 per lane), hence the head-dim split; S/P (32 x 64) still go through shared memory.
-// K and V have separate buffers, each filled by cp.async one tile ahead: K(j+1) streams in during softmax + P.V of
-// tile j, V(j+1) during Q.K^T of tile j+1 (before, every K tile's load latency was exposed).
+// Flash attention on tensor cores (mma.sync m16n8k16 bf16, f32 accumulate), FlashAttention-2 style: rows are
+// (query, head-of-the-group) pairs of one kv head, so the K/V tiles of a kv head serve all its query heads.
+//
+// Layout. A block has 8 warps; each warp owns 16 rows and DW = min(D, 256) columns of the head dim:
+//   D <= 256: one warp per 16 rows (BM = 128 rows a block), O = 16 x D f32 in registers (128 / lane at D = 256);
+//   D == 512: two warps per 16 rows (BM = 64), each with half the head dim (16 x 512 f32 of O per warp would not
+//   fit in registers).
+// S = Q K^T stays in registers: its accumulator fragments are re-packed as the bf16 A fragments of P.V (no S/P trip
+// through shared memory, as the previous kernel did). At D = 512 each warp of a pair computes the partial S over its
+// half of D; the pair swaps partials through a small shared buffer (fragment order, conflict free) behind a
+// 64-thread named barrier, and both add them (commutative, so both hold bitwise the same S). Q, K (ldmatrix.x4) and V
+// (ldmatrix.x4.trans) fragments come from shared memory; Q plus two stages of K/V fit in <= 212 KB (1 block / SM,
+// ~240 registers, no spills).
+//
+// Loads: 16-byte cp.async, one key tile ahead into a 2-stage K/V ring, one __syncthreads per key tile. (Tried on
+// the H200: bulk TMA row copies issued by one warp with full/empty mbarriers and no block barrier in the loop, so
+// that warps drift apart. Correct, but slower: sliding denoise 52.8 vs 44.7 us, sliding prefill 0.54 vs 0.39 ms,
+// full layers unchanged.) The O rescale is skipped when no row max of the warp moved (alpha == 1 is exact).
+//
+// H200 (tools/gpu/microbench/attention_bench.cu), previous kernel -> this one, per layer: sliding denoise (T 256,
+// 1279 keys) 100 -> 45 us; full denoise at kv 512 / 4096 / 32768: 101 -> 68 us, 0.53 -> 0.31 ms, 4.07 -> 2.16 ms;
+// prefill T 4096: sliding 0.78 -> 0.39 ms, full 4.29 -> 1.99 ms. Per denoise step (25 sliding + 5 full) at kv 4096:
+// 5.2 -> 2.7 ms. Still ~3x off the tensor-core bound: 8 warps / SM (O in registers caps occupancy) in lockstep.
+//
+// Split-KV (flash-decoding): a denoise step has T = 256 queries, i.e. only 32 (sliding, g = 2) or 64 (full, g = 8)
+// row tiles; when the grid would leave more than half the SMs idle, each row tile's key range is cut into nsplit
+// contiguous, BN-aligned chunks (blockIdx.z) that write unnormalized f32 O plus (m, l) to a static workspace, and a
+// small combine kernel merges the chunks in fixed order. No atomics anywhere: bitwise deterministic.
+//
+// Scores are raw dot products (no 1/sqrt(D)), the softmax is f32 online (row max / sum), P is rounded to bf16 for
+// the P.V product (as HF's eager path does); the row sum uses the unrounded f32 p.
+#include <algorithm>
 #include <cstdint>
 
 #include "backend/cuda/cuda_check.h"
@@ -16,219 +39,346 @@
 namespace dg::cuda {
 namespace {
 
-constexpr int BM = 32, BN = 64, kThreads = 256, kWarpsPerRowGroup = 4;
+constexpr int kThreads = 256, kWarps = 8;
+// Split-KV workspace (partial O in f32 and per-row (m, l)), sized for the largest split the launcher picks: it
+// splits only when the grid is small (<= half the SMs), so nsplit * blocks * BM * D stays far below this. One
+// attention call at a time uses it (the engine runs its kernels on one stream); a launch that would not fit runs
+// unsplit.
+constexpr size_t kWsFloats = size_t(8) << 20, kMlFloats = size_t(1) << 20;
+__device__ float g_ws_o[kWsFloats];
+__device__ float g_ws_ml[kMlFloats];
 
-struct Smem {
-  size_t q, k, v, s, p, stats, total;
-  __host__ __device__ explicit Smem(int D) {
-    auto up = [](size_t x) { return (x + 127) / 128 * 128; };
-    q = 0;
-    k = q + up(size_t(BM) * (D + 8) * 2);
-    v = k + up(size_t(BN) * (D + 8) * 2);
-    s = v + up(size_t(BN) * (D + 8) * 2);
-    p = s + up(size_t(BM) * (BN + 4) * 4);
-    stats = p + up(size_t(BM) * (BN + 8) * 2);
-    total = stats + up(size_t(BM) * 4 * 3 + size_t(BM) * 8);
-  }
+struct Split {
+  int nsplit;
+  float* ws_o;   // [nsplit][nkv][rows][D]
+  float* ws_ml;  // [nsplit][nkv][rows][2]
 };
 
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
+template <int D>
+struct Cfg {
+  static constexpr int NS = D > 256 ? D / 256 : 1;  // warps sharing 16 rows (split over the head dim)
+  static constexpr int DW = D / NS;                 // head-dim columns per warp
+  static constexpr int BM = 16 * kWarps / NS;       // rows per block
+  static constexpr int BN = D > 256 ? 32 : 64;      // keys per tile
+  static constexpr int LD = D + 8;                  // smem row stride (bf16): 16 B pad, conflict-free ldmatrix
+  static constexpr size_t q_bytes = size_t(BM) * LD * 2, kv_bytes = size_t(BN) * LD * 2;
+  static constexpr size_t x_bytes = NS > 1 ? size_t(kWarps) * 16 * BN * 4 : 0;
+  static constexpr size_t smem = q_bytes + 4 * kv_bytes + x_bytes;
+};
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ uint32_t lds32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
 
-// DT: the head dim as a compile-time constant for the model's 256 / 512 (index math by shifts, unrolled loops),
-// 0 = run-time a.D <= 128 (the small test dims). NTW: n8 tiles of O per warp (D / 8 / 4, rounded up).
-template <int DT, int NTW>
-__global__ void __launch_bounds__(kThreads) attention_k(AttentionArgs a) {
+template <int D>
+__global__ void __launch_bounds__(kThreads, 1) attention_k(AttentionArgs a, Split sp) {
+  using C = Cfg<D>;
+  constexpr int NS = C::NS, DW = C::DW, BM = C::BM, BN = C::BN, LD = C::LD, NT = BN / 8, OT = DW / 8;
   extern __shared__ __align__(128) unsigned char smem[];
-  const int D = DT ? DT : a.D, g = a.nh / a.nkv, kvh = blockIdx.y;
-  const Smem L(D);
-  bf16* Qs = reinterpret_cast<bf16*>(smem + L.q);
-  bf16* Ks = reinterpret_cast<bf16*>(smem + L.k);
-  bf16* Vs = reinterpret_cast<bf16*>(smem + L.v);
-  float* Ss = reinterpret_cast<float*>(smem + L.s);
-  bf16* Ps = reinterpret_cast<bf16*>(smem + L.p);
-  float* row_m = reinterpret_cast<float*>(smem + L.stats);
-  float* row_l = row_m + BM;
-  float* row_alpha = row_l + BM;
-  int64_t* row_pos = reinterpret_cast<int64_t*>(row_alpha + BM);
-  const int ldq = D + 8, lds = BN + 4, ldp = BN + 8;
+  bf16* Qs = reinterpret_cast<bf16*>(smem);
+  bf16* KVs = reinterpret_cast<bf16*>(smem + C::q_bytes);  // K0, V0, K1, V1
+  float* Xs = reinterpret_cast<float*>(smem + C::q_bytes + 4 * C::kv_bytes);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
-  const int rows_total = a.T * g, m0 = blockIdx.x * BM;
-  const int dvec = D / 8;
+  const int rg = warp / NS, dp = warp % NS;
+  const int g = a.nh / a.nkv, kvh = blockIdx.y, split = blockIdx.z;
+  const int rows_total = a.T * g;
+  // causal: the heaviest row tiles (latest queries) first
+  const int bx = a.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int m0 = bx * BM;
 
-  for (int i = tid; i < BM * dvec; i += kThreads) {
-    const int r = i / dvec, c = i % dvec, gr = m0 + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (gr < rows_total) {
-      const int t = gr / g, h = kvh * g + gr % g;
-      v = reinterpret_cast<const uint4*>(a.q + (size_t(t) * a.nh + h) * D)[c];
-    }
-    reinterpret_cast<uint4*>(Qs + r * ldq)[c] = v;
-  }
-  if (tid < BM) {
-    const int gr = m0 + tid;
-    row_m[tid] = -INFINITY;
-    row_l[tid] = 0.0f;
-    row_pos[tid] = gr < rows_total ? a.q_pos0 + gr / g : INT64_MIN;
-  }
   const int last_row = min(rows_total, m0 + BM) - 1;
   const int64_t q_min = a.q_pos0 + m0 / g, q_max = a.q_pos0 + last_row / g;
   const int64_t nk = a.n_old + a.T_new;
-  int64_t j_begin = 0, j_end = nk;
+  int64_t jb = 0, je = nk;
   if (a.causal) {
-    j_end = min(nk, q_max - a.first_pos + 1);
-    if (a.window > 0) j_begin = max(int64_t(0), q_min - a.window + 1 - a.first_pos);
+    je = min(nk, q_max - a.first_pos + 1);
+    if (a.window > 0) jb = max(int64_t(0), q_min - a.window + 1 - a.first_pos);
+  }
+  if (sp.nsplit > 1) {
+    const int64_t tiles = je > jb ? (je - jb + BN - 1) / BN : 0;
+    const int64_t tps = (tiles + sp.nsplit - 1) / sp.nsplit;
+    const int64_t s0 = jb + split * tps * BN;
+    je = min(je, s0 + tps * BN);
+    jb = s0;
   }
 
-  // This warp's share of O: rows og*16 + {grp, grp + 8}, n8 tiles [ot0, ot0 + NTW) of the head dim.
-  const int og = warp / kWarpsPerRowGroup, ot0 = (warp % kWarpsPerRowGroup) * NTW;
-  float o[NTW][4];
+  // The lane's two rows (grp, grp + 8 of its 16) and their query positions (for the causal mask).
+  int64_t qp[2];
 #pragma unroll
-  for (int t = 0; t < NTW; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
-  __syncthreads();
+  for (int h = 0; h < 2; ++h) {
+    const int gr = min(m0 + rg * 16 + grp + h * 8, rows_total - 1);
+    qp[h] = a.q_pos0 + gr / g;
+  }
+  float o[OT][4];
+#pragma unroll
+  for (int t = 0; t < OT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
+  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};
 
-  // Issues the tile's copies (rows past j_end zero-filled) as one cp.async group; the caller waits.
-  auto load_tile = [&](bf16* dst, const bf16* cache, const bf16* fresh, int64_t j0) {
-    const int64_t slot0 = (a.first_pos + j0) % a.cap;  // one 64-bit modulo per tile, not per 16-byte copy
-    for (int i = tid; i < BN * dvec; i += kThreads) {
-      const int r = i / dvec, c = i % dvec;
+  const uint32_t q_base = static_cast<uint32_t>(__cvta_generic_to_shared(Qs));
+  const uint32_t kv_base = static_cast<uint32_t>(__cvta_generic_to_shared(KVs));
+  // Q tile (rows past the end zero-filled) in the same cp.async group as the first K/V tile.
+  for (int i = tid; i < BM * (D / 8); i += kThreads) {
+    const int r = i / (D / 8), c = i % (D / 8), gr = m0 + r;
+    const bool ok = gr < rows_total;
+    const bf16* src = a.q;
+    if (ok) src = a.q + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + c * 8;
+    cp_async16(Qs + r * LD + c * 8, src, ok);
+  }
+  const int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
+  auto load_kv = [&](int stage, int64_t j0) {  // rows past the range zero-filled
+    bf16* Kd = KVs + size_t(stage * 2) * BN * LD;
+    bf16* Vd = Kd + size_t(BN) * LD;
+    const int64_t slot0 = (a.first_pos + j0) % a.cap;
+    for (int i = tid; i < BN * (D / 8); i += kThreads) {
+      const int r = i / (D / 8), c = i % (D / 8);
       const int64_t j = j0 + r;
-      const bool ok = j < j_end;
-      int64_t slot = slot0 + r;
-      while (slot >= a.cap) slot -= a.cap;  // at most once unless the ring is shorter than a tile
-      const bf16* src = !ok ? fresh
-                        : j < a.n_old ? cache + (slot * a.nkv + kvh) * size_t(D)
-                                      : fresh + ((j - a.n_old) * a.nkv + kvh) * size_t(D);
-      cp_async16(dst + r * ldq + c * 8, src + (ok ? c * 8 : 0), ok);
+      const bool ok = j < je;
+      const bf16 *ks = a.k_new, *vs = a.v_new;
+      if (ok) {
+        if (j < a.n_old) {
+          int64_t slot = slot0 + r;
+          while (slot >= a.cap) slot -= a.cap;
+          const size_t off = (size_t(slot) * a.nkv + kvh) * D + c * 8;
+          ks = a.k_cache + off, vs = a.v_cache + off;
+        } else {
+          const size_t off = (size_t(j - a.n_old) * a.nkv + kvh) * D + c * 8;
+          ks = a.k_new + off, vs = a.v_new + off;
+        }
+      }
+      cp_async16(Kd + r * LD + c * 8, ks, ok);
+      cp_async16(Vd + r * LD + c * 8, vs, ok);
     }
-    cp_async_commit();
   };
+  if (ntiles > 0) load_kv(0, jb);
+  cp_async_commit();
+  // ldmatrix lane addresses (bytes, relative to the tile). Q (A, x4): rows (lane & 7) + 8 * bit3, cols 8 * bit4.
+  const uint32_t q_off = ((rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + dp * DW + (lane >> 4) * 8) * 2;
+  // K (B, x4): keys (lane & 7) + 8 * bit4, cols 8 * bit3 -> b0, b1 of key tile n0 and of n0 + 8.
+  const uint32_t k_off = (((lane & 7) + (lane >> 4) * 8) * LD + dp * DW + ((lane >> 3) & 1) * 8) * 2;
+  // V (B, x4.trans): keys (lane & 7) + 8 * bit3, cols 8 * bit4 -> b0, b1 of head-dim tile d0 and of d0 + 8.
+  const uint32_t v_off = (((lane & 7) + ((lane >> 3) & 1) * 8) * LD + dp * DW + (lane >> 4) * 8) * 2;
 
-  if (j_begin < j_end) {
-    load_tile(Ks, a.k_cache, a.k_new, j_begin);
-    load_tile(Vs, a.v_cache, a.v_new, j_begin);
-  }
-  for (int64_t j0 = j_begin; j0 < j_end; j0 += BN) {
-    const bool has_next = j0 + BN < j_end;
-    cp_async_wait<1>();  // in flight: K(j0), V(j0) in this order; K is the older group
-    __syncthreads();
-    {  // S = Q K^T: warp (mi, ni) computes rows mi*16.., keys ni*16.. as two n8 tiles
-      const int mi = warp / (BN / 16), ni = warp % (BN / 16);
-      float c[2][4] = {};
-      const bf16* qa = Qs + (mi * 16 + grp) * ldq + tig * 2;
-      const bf16* kb = Ks + (ni * 16 + grp) * ldq + tig * 2;
-#pragma unroll 8
-      for (int kk = 0; kk < D; kk += 16) {
-        const uint32_t a0 = lds32(qa + kk), a1 = lds32(qa + 8 * ldq + kk);
-        const uint32_t a2 = lds32(qa + kk + 8), a3 = lds32(qa + 8 * ldq + kk + 8);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const bf16* kr = kb + nt * 8 * ldq + kk;
-          mma_bf16(c[nt], a0, a1, a2, a3, lds32(kr), lds32(kr + 8));
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        float* s0 = Ss + (mi * 16 + grp) * lds + ni * 16 + nt * 8 + tig * 2;
-        s0[0] = c[nt][0];
-        s0[1] = c[nt][1];
-        s0[8 * lds] = c[nt][2];
-        s0[8 * lds + 1] = c[nt][3];
-      }
-    }
-    __syncthreads();  // every warp is done with the K tile: the next one may replace it
-    if (has_next) load_tile(Ks, a.k_cache, a.k_new, j0 + BN);
-    {  // online softmax: 8 threads per row, 8 columns each
-      const int r = tid >> 3, c0 = (tid & 7) * 8;
-      const int64_t qp = row_pos[r];
-      float sv[8], tmax = -INFINITY;
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        const int64_t j = j0 + c0 + c, kp = a.first_pos + j;
-        bool ok = j < j_end && qp != INT64_MIN;
-        if (a.causal) ok = ok && kp <= qp && (a.window == 0 || qp - kp < a.window);
-        sv[c] = ok ? Ss[r * lds + c0 + c] : -INFINITY;
-        tmax = fmaxf(tmax, sv[c]);
-      }
-      for (int o = 4; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
-      const float m_old = row_m[r], m_new = fmaxf(m_old, tmax);
-      float alpha = 1.0f, sum = 0.0f;
-      if (m_new != -INFINITY) alpha = m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        const float p = sv[c] == -INFINITY ? 0.0f : __expf(sv[c] - m_new);
-        sum += p;
-        Ps[r * ldp + c0 + c] = __float2bfloat16(p);
-      }
-      for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      __syncwarp();
-      if ((tid & 7) == 0) {
-        row_alpha[r] = alpha;
-        row_l[r] = row_l[r] * alpha + sum;
-        row_m[r] = m_new;
-      }
-    }
-    if (has_next) {
-      cp_async_wait<1>();  // V(j0) landed; K(j0 + BN) may still be in flight
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    {  // O = O * alpha + P V, in registers
-      const float al0 = row_alpha[og * 16 + grp], al1 = row_alpha[og * 16 + grp + 8];
-#pragma unroll
-      for (int t = 0; t < NTW; ++t) {
-        o[t][0] *= al0;
-        o[t][1] *= al0;
-        o[t][2] *= al1;
-        o[t][3] *= al1;
-      }
-      const bf16* pa = Ps + (og * 16 + grp) * ldp + tig * 2;
-#pragma unroll
-      for (int kk = 0; kk < BN; kk += 16) {
-        const uint32_t a0 = lds32(pa + kk), a1 = lds32(pa + 8 * ldp + kk);
-        const uint32_t a2 = lds32(pa + kk + 8), a3 = lds32(pa + 8 * ldp + kk + 8);
-        // ldmatrix .trans: lanes 0-15 address V rows kk..kk+15 (lanes 16-31 repeat them); the two 8x8 transposed
-        // matrices are exactly the B fragment (k = 2*tig.., n = grp) of the n8 tile.
-        const uint32_t vrow = static_cast<uint32_t>(__cvta_generic_to_shared(Vs + (kk + (lane & 15)) * ldq));
-#pragma unroll
-        for (int t = 0; t < NTW; ++t) {
-          const int nt = ot0 + t;
-          if (DT == 0 && nt * 8 >= D) break;
-          uint32_t b0, b1;
-          asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
-                       : "=r"(b0), "=r"(b1)
-                       : "r"(vrow + nt * 16));
-          mma_bf16(o[t], a0, a1, a2, a3, b0, b1);
-        }
-      }
-    }
-    __syncthreads();  // the V tile and P are consumed: the next V may replace it
-    if (has_next) load_tile(Vs, a.v_cache, a.v_new, j0 + BN);
-  }
+  for (int64_t i = 0; i < ntiles; ++i) {
+    const int stage = int(i & 1);
+    const int64_t j0 = jb + i * BN;
+    cp_async_wait<0>();
+    __syncthreads();  // tile i visible to all; every warp is done with the other stage
+    if (i + 1 < ntiles) load_kv(stage ^ 1, j0 + BN);
+    cp_async_commit();
+    const uint32_t k_tile = kv_base + uint32_t(stage * 2) * BN * LD * 2, v_tile = k_tile + BN * LD * 2;
 
-  // Each lane writes its rows grp, grp + 8 of the row group, two adjacent columns per n8 tile.
+    float s[NT][4];
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = og * 16 + grp + half * 8, gr = m0 + r;
+    for (int t = 0; t < NT; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.0f;
+#pragma unroll 4
+    for (int kk = 0; kk < DW; kk += 16) {
+      uint32_t qa[4];
+      ldsm_x4(qa, q_base + q_off + kk * 2);
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t kb[4];
+        ldsm_x4(kb, k_tile + k_off + (np * 16 * LD + kk) * 2);
+        mma_bf16(s[2 * np], qa, kb[0], kb[1]);
+        mma_bf16(s[2 * np + 1], qa, kb[2], kb[3]);
+      }
+    }
+    if constexpr (NS > 1) {  // swap partial S with the other warp of the pair (warps 2 rg, 2 rg + 1)
+      float* mine = Xs + size_t(warp) * NT * 4 * 32;
+      const float* other = Xs + size_t(warp ^ 1) * NT * 4 * 32;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mine[(t * 4 + e) * 32 + lane] = s[t][e];
+      asm volatile("bar.sync %0, 64;\n" ::"r"(1 + rg) : "memory");
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[t][e] += other[(t * 4 + e) * 32 + lane];
+    }
+
+    // Mask: keys past the range, and causal / window outside the tile's fully visible part.
+    const int64_t kp_lo = a.first_pos + j0, kp_hi = kp_lo + BN - 1;
+    const bool full_vis = !a.causal || (kp_hi <= q_min && (a.window == 0 || q_max - kp_lo < a.window));
+    if (j0 + BN > je || !full_vis) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t j = j0 + t * 8 + tig * 2 + (e & 1), kp = a.first_pos + j, q = qp[e >> 1];
+          bool ok = j < je;
+          if (a.causal) ok = ok && kp <= q && (a.window == 0 || q - kp < a.window);
+          if (!ok) s[t][e] = -INFINITY;
+        }
+    }
+
+    // Online softmax per row (the 4 lanes of a quad share a row).
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) mx = fmaxf(mx, fmaxf(s[t][2 * h], s[t][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_r[h], mx);
+      alpha[h] = 1.0f;
+      if (m_new != -INFINITY) alpha[h] = m_r[h] == -INFINITY ? 0.0f : __expf(m_r[h] - m_new);
+      m_r[h] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const float p = s[t][e] == -INFINITY ? 0.0f : __expf(s[t][e] - m_new);
+          sum += p;
+          s[t][e] = p;
+        }
+      l_r[h] = l_r[h] * alpha[h] + sum;
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // once the max settles: skipped
+#pragma unroll
+      for (int t = 0; t < OT; ++t) {
+        o[t][0] *= alpha[0], o[t][1] *= alpha[0];
+        o[t][2] *= alpha[1], o[t][3] *= alpha[1];
+      }
+    }
+
+    // O += P V: the S accumulators of key tiles 2kc, 2kc + 1 are the A fragment of keys kc*16 .. kc*16 + 15.
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc) {
+      const uint32_t pa[4] = {pack_bf16(s[2 * kc][0], s[2 * kc][1]), pack_bf16(s[2 * kc][2], s[2 * kc][3]),
+                              pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                              pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+      for (int dt = 0; dt < OT / 2; ++dt) {
+        uint32_t vb[4];
+        ldsm_x4_t(vb, v_tile + v_off + (kc * 16 * LD + dt * 16) * 2);
+        mma_bf16(o[2 * dt], pa, vb[0], vb[1]);
+        mma_bf16(o[2 * dt + 1], pa, vb[2], vb[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Row sums: lane-partial until here; the quad adds them (commutative order: all 4 lanes agree bitwise).
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
+    l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 2);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int gr = m0 + rg * 16 + grp + h * 8;
     if (gr >= rows_total) continue;
-    const int t = gr / g, h = kvh * g + gr % g;
-    const float l = row_l[r], inv = l > 0 ? 1.0f / l : 0.0f;
-    bf16* dst = a.out + (size_t(t) * a.nh + h) * D;
+    const int col0 = dp * DW + tig * 2;
+    if (sp.nsplit == 1) {
+      const float inv = l_r[h] > 0 ? 1.0f / l_r[h] : 0.0f;
+      bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + col0;
 #pragma unroll
-    for (int u = 0; u < NTW; ++u) {
-      const int nt = ot0 + u;
-      if (DT == 0 && nt * 8 >= D) break;
-      *reinterpret_cast<__nv_bfloat162*>(dst + nt * 8 + tig * 2) =
-          __floats2bfloat162_rn(o[u][half * 2] * inv, o[u][half * 2 + 1] * inv);
+      for (int t = 0; t < OT; ++t)
+        *reinterpret_cast<__nv_bfloat162*>(dst + t * 8) =
+            __floats2bfloat162_rn(o[t][2 * h] * inv, o[t][2 * h + 1] * inv);
+    } else {
+      const size_t row = (size_t(split) * a.nkv + kvh) * rows_total + gr;
+      float* dst = sp.ws_o + row * D + col0;
+#pragma unroll
+      for (int t = 0; t < OT; ++t)
+        *reinterpret_cast<float2*>(dst + t * 8) = make_float2(o[t][2 * h], o[t][2 * h + 1]);
+      if (dp == 0 && tig == 0) *reinterpret_cast<float2*>(sp.ws_ml + row * 2) = make_float2(m_r[h], l_r[h]);
     }
+  }
+}
+
+// Merges the nsplit partial results of each row in split order: one warp per (kv head, row).
+__global__ void attention_combine_k(AttentionArgs a, Split sp) {
+  const int g = a.nh / a.nkv, rows_total = a.T * g, D = a.D;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= int64_t(a.nkv) * rows_total) return;
+  const int kvh = int(row / rows_total), gr = int(row % rows_total);
+  const size_t stride = size_t(a.nkv) * rows_total;
+  float mx = -INFINITY;
+  for (int s = 0; s < sp.nsplit; ++s) mx = fmaxf(mx, sp.ws_ml[(s * stride + row) * 2]);
+  float L = 0.0f;
+  for (int s = 0; s < sp.nsplit; ++s) {
+    const float m = sp.ws_ml[(s * stride + row) * 2];
+    if (m != -INFINITY) L += __expf(m - mx) * sp.ws_ml[(s * stride + row) * 2 + 1];
+  }
+  const float inv = L > 0 ? 1.0f / L : 0.0f;
+  bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D;
+  for (int c = lane * 4; c < D; c += 128) {
+    float4 acc = make_float4(0, 0, 0, 0);
+    for (int s = 0; s < sp.nsplit; ++s) {
+      const float m = sp.ws_ml[(s * stride + row) * 2];
+      if (m == -INFINITY) continue;
+      const float w = __expf(m - mx);
+      const float4 v = *reinterpret_cast<const float4*>(sp.ws_o + (s * stride + row) * D + c);
+      acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
+    }
+    *reinterpret_cast<__nv_bfloat162*>(dst + c) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+    *reinterpret_cast<__nv_bfloat162*>(dst + c + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  }
+}
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
+template <int D>
+void launch(const AttentionArgs& a, cudaStream_t s) {
+  using C = Cfg<D>;
+  static bool raised = false;  // dynamic shared memory opt-in, per kernel
+  if (!raised) {
+    CUDA_CHECK(cudaFuncSetAttribute(attention_k<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem)));
+    raised = true;
+  }
+  const int rows = a.T * (a.nh / a.nkv);
+  const int row_tiles = (rows + C::BM - 1) / C::BM, base = row_tiles * a.nkv;
+  const int64_t tiles = (a.n_old + a.T_new + C::BN - 1) / C::BN;
+  Split sp{1, nullptr, nullptr};
+  const int sms = sm_count();
+  if (2 * base <= sms) {
+    int ns = int(std::min<int64_t>({int64_t(sms / base), tiles / 2, 16}));
+    while (ns > 1 && (size_t(ns) * a.nkv * rows * D > kWsFloats || size_t(ns) * a.nkv * rows * 2 > kMlFloats)) --ns;
+    if (ns > 1) {
+      static float *ws_o = nullptr, *ws_ml = nullptr;
+      if (!ws_o) {
+        CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void**>(&ws_o), g_ws_o));
+        CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void**>(&ws_ml), g_ws_ml));
+      }
+      sp = Split{ns, ws_o, ws_ml};
+    }
+  }
+  attention_k<D><<<dim3(row_tiles, a.nkv, sp.nsplit), kThreads, C::smem, s>>>(a, sp);
+  CUDA_CHECK_LAUNCH();
+  if (sp.nsplit > 1) {
+    const int64_t nrows = int64_t(a.nkv) * rows;
+    attention_combine_k<<<unsigned((nrows + 7) / 8), 256, 0, s>>>(a, sp);
+    CUDA_CHECK_LAUNCH();
   }
 }
 
@@ -236,22 +386,20 @@ __global__ void __launch_bounds__(kThreads) attention_k(AttentionArgs a) {
 
 void attention(const AttentionArgs& a, cudaStream_t s) {
   if (a.T == 0) return;
-  if (a.D % 16 != 0 || a.nh % a.nkv != 0) throw_cuda_error("attention", "head_dim must be a multiple of 16 and nh of nkv", 0, __FILE__, __LINE__);
-  const Smem L(a.D);
-  const int which = a.D == 256 ? 0 : a.D == 512 ? 1 : 2;
-  if (which == 2 && a.D > 128) throw_cuda_error("attention", "head_dim must be 256, 512 or <= 128", 0, __FILE__, __LINE__);
-  // O registers per lane: 4 * D / 32 (64 at D = 512); the run-time kernel reserves the D = 128 share.
-  void (*const kernels[3])(AttentionArgs) = {attention_k<256, 8>, attention_k<512, 16>, attention_k<0, 4>};
-  auto* kern = kernels[which];
-  static size_t raised[3] = {0, 0, 0};  // dynamic shared memory opt-in, per kernel
-  if (L.total > 48 * 1024 && L.total > raised[which]) {
-    CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L.total)));
-    raised[which] = L.total;
+  if (a.nh % a.nkv != 0) throw_cuda_error("attention", "nh must be a multiple of nkv", 0, __FILE__, __LINE__);
+  switch (a.D) {
+    case 16: return launch<16>(a, s);
+    case 32: return launch<32>(a, s);
+    case 48: return launch<48>(a, s);
+    case 64: return launch<64>(a, s);
+    case 80: return launch<80>(a, s);
+    case 96: return launch<96>(a, s);
+    case 112: return launch<112>(a, s);
+    case 128: return launch<128>(a, s);
+    case 256: return launch<256>(a, s);
+    case 512: return launch<512>(a, s);
+    default: throw_cuda_error("attention", "head_dim must be a multiple of 16 up to 128, 256 or 512", 0, __FILE__, __LINE__);
   }
-  const int rows = a.T * (a.nh / a.nkv);
-  dim3 grid((rows + BM - 1) / BM, a.nkv);
-  kern<<<grid, kThreads, L.total, s>>>(a);
-  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace dg::cuda

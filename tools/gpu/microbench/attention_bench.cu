@@ -1,0 +1,263 @@
+// Standalone check + timing of dg::cuda::attention (src/backend/cuda/kernels_attention.cu) against the kernel it
+// replaced (attention_old.cuh, a copy of the previous file) and a CPU reference (double, unrounded P, as the
+// engine's cpu::attention oracle). Optionally (-DWITH_V3, see build_attention_bench.sh) a third build of the file
+// with one change, as "var", to try a variant in the same GPU call.
+// Correctness: every row on small awkward shapes, sampled rows on the real ones; determinism: two runs compared
+// bitwise. Timing: cudaEvents at the model's shapes, plus per-step estimates (25 sliding + 5 full layers).
+// Build: tools/gpu/microbench/build_attention_bench.sh (-> build-attn/attention_bench; no engine sources needed).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_kernels.h"
+#include "attention_old.cuh"
+
+namespace dg::cuda {
+[[noreturn]] void throw_cuda_error(const char* expr, const char* msg, int code, const char* file, int line) {
+  std::fprintf(stderr, "CUDA error %s: %s (%d) at %s:%d\n", expr, msg, code, file, line);
+  std::exit(1);
+}
+void check_cublas(int, const char*, const char*, int) {}
+#ifdef WITH_V3
+void attention_v3(const AttentionArgs& a, cudaStream_t s);  // the variant
+#endif
+}  // namespace dg::cuda
+
+using dg::cuda::AttentionArgs;
+using bf16 = __nv_bfloat16;
+
+static uint16_t f2b(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+static float b2f(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+struct Buf {
+  std::vector<uint16_t> h;
+  bf16* d = nullptr;
+  explicit Buf(size_t n, uint64_t seed) : h(n) {
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (auto& v : h) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      v = f2b(float((x >> 11) * (1.0 / 9007199254740992.0)) * 2.0f - 1.0f);
+    }
+    cudaMalloc(&d, n * 2);
+    cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice);
+  }
+  ~Buf() { cudaFree(d); }
+  float at(size_t i) const { return b2f(h[i]); }
+};
+
+struct Case {
+  const char* name;
+  int T, nh, nkv, D;
+  int64_t cap, first_pos, n_old;
+  bool causal;
+  int64_t window;
+  int samples;  // 0: check every row
+  int iters;    // 0: no timing
+};
+
+struct Result {
+  double t_old = 0, t_new = 0, t_v3 = 0;
+};
+
+static Result run_case(const Case& c, bool& all_ok) {
+  const size_t qn = size_t(c.T) * c.nh * c.D, cn = size_t(c.cap) * c.nkv * c.D, nn = size_t(c.T) * c.nkv * c.D;
+  Buf q(qn, 1), kc(cn, 2), vc(cn, 3), kn(nn, 4), vn(nn, 5);
+  bf16 *o_new, *o_new2, *o_old, *o_v3;
+  cudaMalloc(&o_new, qn * 2), cudaMalloc(&o_new2, qn * 2), cudaMalloc(&o_old, qn * 2), cudaMalloc(&o_v3, qn * 2);
+  cudaMemset(o_new, 0xff, qn * 2), cudaMemset(o_new2, 0x7f, qn * 2), cudaMemset(o_old, 0xff, qn * 2);
+  cudaMemset(o_v3, 0xff, qn * 2);
+  AttentionArgs a{q.d,    c.T,   c.nh,      c.nkv, c.D,      kc.d,  vc.d, c.cap, c.first_pos, c.n_old,
+                  kn.d,   vn.d,  c.T,       c.first_pos + c.n_old, c.causal, c.window, o_new};
+  dg::cuda::attention(a, nullptr);
+  a.out = o_new2;
+  dg::cuda::attention(a, nullptr);
+  a.out = o_old;
+  dg::cuda::attention_old(a, nullptr);
+#ifdef WITH_V3
+  a.out = o_v3;
+  dg::cuda::attention_v3(a, nullptr);
+#endif
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<uint16_t> hn(qn), hn2(qn), ho(qn), h3(qn);
+  cudaMemcpy(h3.data(), o_v3, qn * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(hn.data(), o_new, qn * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(hn2.data(), o_new2, qn * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(ho.data(), o_old, qn * 2, cudaMemcpyDeviceToHost);
+  const bool det = std::memcmp(hn.data(), hn2.data(), qn * 2) == 0;
+  const bool v3_same = std::memcmp(hn.data(), h3.data(), qn * 2) == 0;  // bitwise equal to the file's kernel
+
+  // Rows to check: (t, h) pairs.
+  std::vector<std::pair<int, int>> rows;
+  if (c.samples == 0) {
+    for (int t = 0; t < c.T; ++t)
+      for (int h = 0; h < c.nh; ++h) rows.push_back({t, h});
+  } else {
+    for (int i = 0; i < c.samples; ++i) {
+      const int t = i == 0 ? 0 : i == 1 ? c.T - 1 : int((int64_t(i) * 2654435761ll) % c.T);
+      rows.push_back({t, (i * 7) % c.nh});
+    }
+  }
+  const int g = c.nh / c.nkv;
+  const int64_t nk = c.n_old + c.T;
+  std::vector<double> md_new(rows.size()), md_old(rows.size()), md_v3(rows.size()),
+      mr(rows.size());
+  auto work = [&](size_t i0, size_t i1) {
+    std::vector<double> sc(size_t(nk) + 1), acc(size_t(c.D));
+    for (size_t ri = i0; ri < i1; ++ri) {
+      const int t = rows[ri].first, h = rows[ri].second, kvh = h / g;
+      const int64_t qp = c.first_pos + c.n_old + t;
+      auto key = [&](const Buf& cache, const Buf& fresh, int64_t j, int d) {
+        if (j < c.n_old) return cache.at((size_t((c.first_pos + j) % c.cap) * c.nkv + kvh) * c.D + d);
+        return fresh.at((size_t(j - c.n_old) * c.nkv + kvh) * c.D + d);
+      };
+      double mx = -INFINITY;
+      for (int64_t j = 0; j < nk; ++j) {
+        const int64_t kp = c.first_pos + j;
+        bool vis = true;
+        if (c.causal) vis = kp <= qp && (c.window == 0 || qp - kp < c.window);
+        double s = -INFINITY;
+        if (vis) {
+          s = 0;
+          for (int d = 0; d < c.D; ++d) s += double(q.at((size_t(t) * c.nh + h) * c.D + d)) * key(kc, kn, j, d);
+        }
+        sc[size_t(j)] = s;
+        mx = std::max(mx, s);
+      }
+      double sum = 0;
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t j = 0; j < nk; ++j) {
+        if (sc[size_t(j)] == -INFINITY) continue;
+        const double p = std::exp(sc[size_t(j)] - mx);
+        sum += p;
+        for (int d = 0; d < c.D; ++d) acc[size_t(d)] += p * key(vc, vn, j, d);
+      }
+      double dn = 0, dol = 0, d3 = 0, r = 0;
+      for (int d = 0; d < c.D; ++d) {
+        const double want = acc[size_t(d)] / sum;
+        const size_t idx = (size_t(t) * c.nh + h) * c.D + d;
+        const double gn = b2f(hn[idx]), go = b2f(ho[idx]);
+        dn = std::isfinite(gn) ? std::max(dn, std::fabs(gn - want)) : INFINITY;
+        dol = std::isfinite(go) ? std::max(dol, std::fabs(go - want)) : INFINITY;
+        const double g3 = b2f(h3[idx]);
+        d3 = std::isfinite(g3) ? std::max(d3, std::fabs(g3 - want)) : INFINITY;
+        r = std::max(r, std::fabs(want));
+      }
+      md_new[ri] = dn, md_old[ri] = dol, md_v3[ri] = d3, mr[ri] = r;
+    }
+  };
+  const size_t nth = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> th;
+  for (size_t k = 0; k < nth; ++k)
+    th.emplace_back(work, rows.size() * k / nth, rows.size() * (k + 1) / nth);
+  for (auto& x : th) x.join();
+  double dn = 0, dol = 0, d3 = 0, r = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    dn = std::max(dn, md_new[i]), dol = std::max(dol, md_old[i]);
+    d3 = std::max(d3, md_v3[i]), r = std::max(r, mr[i]);
+  }
+  const double en = dn / r, eo = dol / r, e3 = d3 / r;
+  const bool ok = en <= 2e-2 && det && std::isfinite(en);
+  all_ok = all_ok && ok;
+
+  Result res;
+  if (c.iters > 0) {
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0), cudaEventCreate(&e1);
+#ifdef WITH_V3
+    constexpr int nimpl = 3;
+    void (*const fns[3])(const AttentionArgs&, cudaStream_t) = {dg::cuda::attention_old, dg::cuda::attention,
+                                                                dg::cuda::attention_v3};
+#else
+    constexpr int nimpl = 2;
+    void (*const fns[2])(const AttentionArgs&, cudaStream_t) = {dg::cuda::attention_old, dg::cuda::attention};
+#endif
+    double* dst[3] = {&res.t_old, &res.t_new, &res.t_v3};
+    bf16* outs[3] = {o_old, o_new, o_v3};
+    for (int pass = 0; pass < nimpl; ++pass) {
+      a.out = outs[pass];
+      for (int i = 0; i < 3; ++i) fns[pass](a, nullptr);
+      cudaEventRecord(e0);
+      for (int i = 0; i < c.iters; ++i) fns[pass](a, nullptr);
+      cudaEventRecord(e1);
+      cudaEventSynchronize(e1);
+      float ms = 0;
+      cudaEventElapsedTime(&ms, e0, e1);
+      *dst[pass] = ms / c.iters;
+    }
+    CUDA_CHECK(cudaGetLastError());
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+  }
+  std::printf("%-34s rows %6zu  rel_err new %.2e old %.2e", c.name, rows.size(), en, eo);
+#ifdef WITH_V3
+  std::printf(" var %.2e%s", e3, v3_same ? "(=new)" : "");
+#endif
+  std::printf("  det %s  %s", det ? "yes" : "NO", ok ? "OK  " : "FAIL");
+  if (c.iters > 0) std::printf("  old %7.4f  new %7.4f ms  x%.2f", res.t_old, res.t_new, res.t_old / res.t_new);
+#ifdef WITH_V3
+  if (c.iters > 0) std::printf("  var %7.4f ms", res.t_v3);
+#endif
+  std::printf("\n");
+  std::fflush(stdout);
+  cudaFree(o_new), cudaFree(o_new2), cudaFree(o_old), cudaFree(o_v3);
+  return res;
+}
+
+int main() {
+  bool ok = true;
+  // Awkward shapes, every row checked.
+  const Case small[] = {
+      {"tiny sliding prefill wrapped", 37, 4, 2, 16, 11, 20, 7, true, 8, 0, 0},
+      {"full prefill after cache D32", 19, 4, 1, 32, 50, 0, 45, true, 0, 0, 0},
+      {"bidir full ring D64", 33, 4, 2, 64, 23, 100, 23, false, 0, 0, 0},
+      {"sliding denoise T70", 70, 16, 8, 256, 1535, 3000, 1023, false, 0, 0, 0},
+      {"full causal D512 T45", 45, 16, 2, 512, 300, 0, 211, true, 0, 0, 0},
+      {"window inside chunk T130", 130, 16, 8, 256, 1535, 0, 5, true, 64, 0, 0},
+      {"full bidir D512 n_old 651", 40, 16, 2, 512, 800, 0, 651, false, 0, 0, 0},
+      {"T1 sliding denoise", 1, 16, 8, 256, 1535, 500, 1023, false, 0, 0, 0},
+      {"sliding causal T600 unsplit", 600, 16, 8, 256, 2048, 100, 900, true, 1024, 0, 0},
+      {"full causal T300 unsplit", 300, 16, 2, 512, 1000, 7, 333, true, 0, 0, 0},
+      {"full bidir T257 wrapped", 257, 16, 2, 512, 5000, 4000, 4095, false, 0, 48, 0},
+      {"D48 g3", 100, 6, 2, 48, 70, 3, 61, false, 0, 0, 0},
+      {"D128 g8 causal window 16", 77, 8, 1, 128, 130, 0, 129, true, 16, 0, 0},
+      {"D80 bidir", 50, 4, 4, 80, 64, 10, 60, false, 0, 0, 0},
+      {"D112 causal", 90, 4, 2, 112, 64, 3, 40, true, 0, 0, 0},
+  };
+  for (const auto& c : small) run_case(c, ok);
+  // The model's shapes: sampled rows, timed.
+  const Case S{"denoise sliding T256 n_old 1023", 256, 16, 8, 256, 1535, 3000, 1023, false, 0, 64, 50};
+  const Case F512{"denoise full T256 kv 512", 256, 16, 2, 512, 768, 0, 512, false, 0, 64, 50};
+  const Case F4K{"denoise full T256 kv 4096", 256, 16, 2, 512, 4352, 0, 4096, false, 0, 64, 30};
+  const Case F32K{"denoise full T256 kv 32768", 256, 16, 2, 512, 33024, 0, 32768, false, 0, 32, 10};
+  const Case PS{"prefill sliding T4096 causal w1024", 4096, 16, 8, 256, 4096, 0, 0, true, 1024, 64, 10};
+  const Case PF{"prefill full T4096 causal", 4096, 16, 2, 512, 4096, 0, 0, true, 0, 64, 10};
+  const Result rs = run_case(S, ok), r512 = run_case(F512, ok), r4k = run_case(F4K, ok), r32k = run_case(F32K, ok);
+  const Result rps = run_case(PS, ok), rpf = run_case(PF, ok);
+  auto step = [&](const Result& f, double Result::*m) { return 25 * (rs.*m) + 5 * (f.*m); };
+  std::printf("\nper denoise step (25 sliding + 5 full), old / new (/ var) ms:\n");
+  for (auto [name, r] : {std::pair{"  kv   512", &r512}, std::pair{"  kv  4096", &r4k}, std::pair{"  kv 32768", &r32k}})
+    std::printf("%s: %7.3f  %7.3f  %7.3f\n", name, step(*r, &Result::t_old), step(*r, &Result::t_new),
+                step(*r, &Result::t_v3));
+  std::printf("prefill 4096-token chunk attention (25 + 5 layers): %7.3f  %7.3f  %7.3f\n",
+              25 * rps.t_old + 5 * rpf.t_old, 25 * rps.t_new + 5 * rpf.t_new, 25 * rps.t_v3 + 5 * rpf.t_v3);
+  std::printf("%s\n", ok ? "ALL OK" : "SOME CHECKS FAILED");
+  return ok ? 0 : 1;
+}

@@ -1,0 +1,20 @@
+#!/bin/sh
+# Builds build-attn/attention_bench (or $1/attention_bench) for sm_90a from src/backend/cuda/kernels_attention.cu and
+# the previous kernel (tools/gpu/microbench/attention_old.cuh); the binary needs no other libraries on the GPU
+# machine. VARIANT_SED='sed expression' adds a third build of the file with that edit applied (printed as "var"),
+# e.g. VARIANT_SED='s/^#pragma unroll 4$/#pragma unroll/' to try the Q.K^T loop fully unrolled.
+set -e
+cd "$(dirname "$0")/../../.."
+out=${1:-build-attn}
+mkdir -p "$out"
+NVCC="${NVCC:-/usr/local/cuda/bin/nvcc} -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -I src --expt-relaxed-constexpr"
+src=src/backend/cuda/kernels_attention.cu
+extra=""
+if [ -n "$VARIANT_SED" ]; then
+  decl='^void attention(const AttentionArgs& a, cudaStream_t s) {'
+  sed "$VARIANT_SED; s/$decl/void attention_v3(const AttentionArgs\& a, cudaStream_t s) {/" $src >"$out/attn_var.cu"
+  grep -q attention_v3 "$out/attn_var.cu"
+  $NVCC -c "$out/attn_var.cu" -o "$out/attn_var.o"
+  extra="-DWITH_V3 $out/attn_var.o"
+fi
+$NVCC -cudart static tools/gpu/microbench/attention_bench.cu $src $extra -o "$out/attention_bench"
