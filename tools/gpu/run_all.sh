@@ -21,7 +21,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --
 
 FS_DIR=${FS_DIR:-/tmp/fullshape}
 if [ "${FULLSHAPE:-1}" = 1 ]; then
-  HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout 300 python3 tools/reference/make_fullshape_fixture.py --out "$FS_DIR" \
+  # FS_ARGS: fixture flags, e.g. "--gaussian" (the old i.i.d. weights; default: the well-conditioned mode)
+  HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout 300 python3 tools/reference/make_fullshape_fixture.py ${FS_ARGS:-} \
+    --out "$FS_DIR" \
     >"$OUT/fullshape_fixture.log" 2>&1 &
   fs_pid=$!
 fi
