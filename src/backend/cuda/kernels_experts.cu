@@ -15,6 +15,12 @@
 // per SM: slowest), rotating each item's k start to break lockstep. Per block, an iteration took ~1 us whatever the
 // ring depth; throughput grew only with resident blocks. The next thing to try is taking the weight loads off the
 // per-thread cp.async path (TMA bulk copies completing on an mbarrier, or register-direct loads).
+// Tried next (same bench, 2026-11-30, not kept): (1) register-direct loads: each warp streams 16 weight rows with
+// 16-byte ld.global.nc.L1::no_allocate straight into m16n8k16 B fragments (k permuted identically for A and B so one
+// load is two mma steps' fragments), 4-12 chunks of 32 k in flight per warp, X of the expert in shared memory:
+// gate_up 2.7-3.1 TB/s (worse), down 3.35-3.47 TB/s (3-7% better, not worth a third kernel); (2) repacking the
+// expert weights so one warp's fragments of a 32-k chunk are 512 contiguous bytes: the tiled kernel fell to
+// 2.88 / 2.80 TB/s and register-direct gained ~5%. Contiguity per row group is not what limits these kernels.
 // Both kernels compute every output element in one block in a fixed k order (no atomics): deterministic.
 #include <mma.h>
 
