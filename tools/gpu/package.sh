@@ -3,10 +3,13 @@
 # need into build-gpu-dist/, the folder to carry to the GPU machine (which has CUDA but no Debian packages).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DDIFFGEMMA_STATIC=ON >/dev/null
+# Only the H200's architecture (CI builds them all): with sm_80/89 + PTX the binaries outgrow what a device call carries.
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DDIFFGEMMA_STATIC=ON \
+  -DCMAKE_CUDA_ARCHITECTURES="${DIFFGEMMA_GPU_ARCHS:-90a-real}" >/dev/null
 cmake --build build-gpu -j"${JOBS:-2}" --target diffgemma diffgemma_tests
 rm -rf build-gpu-dist && mkdir -p build-gpu-dist/lib
 cp build-gpu/diffgemma build-gpu/diffgemma_tests build-gpu-dist/
+strip build-gpu-dist/diffgemma build-gpu-dist/diffgemma_tests
 # cuBLASLt (540 MB) is not carried: the GPU image has its own; everything else outside glibc travels.
 for bin in build-gpu-dist/diffgemma build-gpu-dist/diffgemma_tests; do
   ldd "$bin" | awk '/=> \//{print $3}' | grep -v -E 'libc\.so|libm\.so|libpthread|libdl\.so|librt\.so|ld-linux|cublas' |
