@@ -3,8 +3,9 @@
 // (element by element) at the real shapes, then times them at decode (P = 2048: 256 tokens top-8 of 128 experts)
 // and prefill (P = 32768) shapes, rotating over several layers' weights (> 6 GB) so L2 does not flatter them.
 // Build (no GPU needed):
-//   nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -I src --expt-relaxed-constexpr -cudart static \
-//     tools/gpu/microbench/experts_bench.cu -o build-experts/experts_bench
+//   cmake --build build --target microbench_experts   (or by hand: nvcc -std=c++20 -O3
+//   -gencode arch=compute_90a,code=sm_90a -I src --expt-relaxed-constexpr -cudart static
+//   tools/gpu/microbench/experts_bench.cu -o build-experts/experts_bench)
 // The kernel file is included (not linked) so the bench can launch its internal variants directly.
 // Variants: old-tiled = moe_tiled_k; public = moe_gate_up / moe_down (dispatch); s<GNI,SK,S[,R][,NP]> =
 // moe_stream_k with GNI weight rows x SK k per stage, S stages, R = rotated k start, NP = one block per item
