@@ -332,6 +332,47 @@ TEST(CudaKernels, MoeCombineFfn) {
   }
 }
 
+// CPU reference of the routed experts + combine: per token, its k experts in ascending id order, gate/up in double,
+// the activation rounded to bf16 as the kernels store it.
+std::vector<float> moe_reference(const std::vector<float>& x, const std::vector<float>& gu, const std::vector<float>& dn,
+                                 const std::vector<float>& wts, const std::vector<int32_t>& idx, int T, int E, int k,
+                                 int H, int I) {
+  (void)E;
+  std::vector<float> want(size_t(T) * H, 0.0f), g(size_t(2) * I), a(static_cast<size_t>(I));
+  for (int t = 0; t < T; ++t) {
+    std::vector<int> order(static_cast<size_t>(k));
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int p, int q) { return idx[size_t(t) * k + p] < idx[size_t(t) * k + q]; });
+    for (int j : order) {
+      const int e = idx[size_t(t) * k + j];
+      for (int o = 0; o < 2 * I; ++o) {
+        double s = 0;
+        for (int i = 0; i < H; ++i) s += double(x[size_t(t) * H + i]) * gu[(size_t(e) * 2 * I + o) * H + i];
+        g[size_t(o)] = float(s);
+      }
+      for (int i = 0; i < I; ++i) a[size_t(i)] = round_to_bf16(cpu::gelu_tanh(g[size_t(i)]) * g[size_t(I + i)]);
+      for (int o = 0; o < H; ++o) {
+        double s = 0;
+        for (int i = 0; i < I; ++i) s += double(a[size_t(i)]) * dn[(size_t(e) * H + o) * I + i];
+        want[size_t(t) * H + o] += wts[size_t(t) * k + j] * float(s);
+      }
+    }
+  }
+  return want;
+}
+// k distinct random experts per token; expert 1 unused when E > k + 1 (an empty group)
+std::vector<int32_t> random_routing(int T, int E, int k) {
+  std::vector<int32_t> idx(size_t(T) * k);
+  for (int t = 0; t < T; ++t) {
+    std::vector<int32_t> pool;
+    for (int e = 0; e < E; ++e)
+      if (e != 1 || E <= k + 1) pool.push_back(e);
+    std::shuffle(pool.begin(), pool.end(), rng);
+    for (int j = 0; j < k; ++j) idx[size_t(t) * k + j] = pool[size_t(j)];
+  }
+  return idx;
+}
+
 TEST(CudaKernels, MoeGroupedExperts) {
   REQUIRE_GPU();
   for (auto [T, E, k, H, I] : {std::tuple{37, 6, 2, 40, 24}, std::tuple{300, 16, 4, 136, 72},
@@ -342,14 +383,7 @@ TEST(CudaKernels, MoeGroupedExperts) {
                                std::tuple{600, 4, 2, 264, 88}}) {
     auto x = rnd(size_t(T) * H), gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
     auto wts = rnd(size_t(T) * k, 0.1f, 1.0f);
-    std::vector<int32_t> idx(size_t(T) * k);
-    for (int t = 0; t < T; ++t) {  // k distinct experts per token; expert 1 unused when E > k + 1
-      std::vector<int32_t> pool;
-      for (int e = 0; e < E; ++e)
-        if (e != 1 || E <= k + 1) pool.push_back(e);
-      std::shuffle(pool.begin(), pool.end(), rng);
-      for (int j = 0; j < k; ++j) idx[size_t(t) * k + j] = pool[size_t(j)];
-    }
+    auto idx = random_routing(T, E, k);
     Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(idx.size() * H), act(idx.size() * I);
     Dev<int32_t> didx(idx.size()), off(size_t(E) + 1), spos(idx.size());
     Dev<float> y(idx.size() * H), dw(wts.size()), out(size_t(T) * H);
@@ -360,27 +394,43 @@ TEST(CudaKernels, MoeGroupedExperts) {
     moe_combine(y.p, didx.p, dw.p, spos.p, T, k, H, out.p, nullptr);
     auto offs = off.get();
     EXPECT_EQ(offs[size_t(E)], T * k);
-    std::vector<float> want(size_t(T) * H, 0.0f), g(size_t(2) * I), a(static_cast<size_t>(I));
-    for (int t = 0; t < T; ++t) {
-      std::vector<int> order(static_cast<size_t>(k));
-      std::iota(order.begin(), order.end(), 0);
-      std::sort(order.begin(), order.end(), [&](int p, int q) { return idx[size_t(t) * k + p] < idx[size_t(t) * k + q]; });
-      for (int j : order) {
-        const int e = idx[size_t(t) * k + j];
-        for (int o = 0; o < 2 * I; ++o) {
-          double s = 0;
-          for (int i = 0; i < H; ++i) s += double(x[size_t(t) * H + i]) * gu[(size_t(e) * 2 * I + o) * H + i];
-          g[size_t(o)] = float(s);
-        }
-        for (int i = 0; i < I; ++i) a[size_t(i)] = round_to_bf16(cpu::gelu_tanh(g[size_t(i)]) * g[size_t(I + i)]);
-        for (int o = 0; o < H; ++o) {
-          double s = 0;
-          for (int i = 0; i < I; ++i) s += double(a[size_t(i)]) * dn[(size_t(e) * H + o) * I + i];
-          want[size_t(t) * H + o] += wts[size_t(t) * k + j] * float(s);
-        }
-      }
-    }
-    EXPECT_LE(rel_err(out.get(), want), 1e-2) << "T " << T << " E " << E << " H " << H;
+    EXPECT_LE(rel_err(out.get(), moe_reference(x, gu, dn, wts, idx, T, E, k, H, I)), 1e-2)
+        << "T " << T << " E " << E << " H " << H;
+  }
+}
+
+// The padded path of canvas-sized passes: moe_group_padded, strided-batched cuBLASLt GEMMs over E x M rows,
+// gelu_mul, and the grouped kernels for the overflow rows (M forced below the busiest experts' counts).
+TEST(CudaKernels, MoePaddedExperts) {
+  REQUIRE_GPU();
+  Gemm gemm;
+  for (auto [T, E, k, H, I, M] : {std::tuple{40, 16, 8, 96, 64, 16}, std::tuple{37, 6, 2, 40, 24, 16},
+                                  std::tuple{64, 128, 8, 2816, 704, moe_padded_rows_per_expert(256, 8, 128)}}) {
+    auto x = rnd(size_t(T) * H), gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
+    auto wts = rnd(size_t(T) * k, 0.1f, 1.0f);
+    auto idx = random_routing(T, E, k);
+    const size_t rows = size_t(E) * M + idx.size();
+    Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(rows * H), act(rows * I);
+    Dev<int32_t> didx(idx.size()), ovf(size_t(E) + 1), spos(idx.size());
+    Dev<float> y(rows * H), g(rows * 2 * I), dw(wts.size()), out(size_t(T) * H);
+    dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx), dw.put(wts);
+    moe_group_padded(didx.p, T, k, E, dx.p, H, M, ovf.p, spos.p, xs.p, nullptr);
+    gemm.linear_batched(xs.p, Dt::BF16, M, dgu.p, Dt::BF16, 2 * I, H, g.p, Dt::F32, E, nullptr);
+    gelu_mul_f32(g.p, E * M, I, act.p, nullptr);
+    moe_gate_up(xs.p, ovf.p, E, T * k, dgu.p, H, I, act.p, nullptr);
+    gemm.linear_batched(act.p, Dt::BF16, M, ddn.p, Dt::BF16, H, I, y.p, Dt::F32, E, nullptr);
+    moe_down(act.p, ovf.p, E, T * k, ddn.p, H, I, y.p, nullptr);
+    moe_combine(y.p, didx.p, dw.p, spos.p, T, k, H, out.p, nullptr);
+    // the overflow rows are exactly the pairs past M of each expert
+    std::vector<int> cnt(static_cast<size_t>(E), 0);
+    for (int e : idx) ++cnt[size_t(e)];
+    int overflow = 0;
+    for (int c : cnt) overflow += std::max(0, c - M);
+    auto o = ovf.get();
+    EXPECT_EQ(o[size_t(E)] - o[0], overflow) << "E " << E << " M " << M;
+    if (M == 16 && E == 16) EXPECT_GT(overflow, 0) << "the case meant to overflow does not";
+    EXPECT_LE(rel_err(out.get(), moe_reference(x, gu, dn, wts, idx, T, E, k, H, I)), 1e-2)
+        << "T " << T << " E " << E << " H " << H << " M " << M;
   }
 }
 

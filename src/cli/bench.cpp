@@ -72,7 +72,7 @@ double median(std::vector<double> v) {
 }
 
 int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector<int> contexts,
-              std::vector<int> prefills, bool json, bool breakdown, bool no_graphs) {
+              std::vector<int> prefills, bool json, bool breakdown, bool no_graphs, bool padded_experts) {
   auto info = cuda::query_device(0);
   if (!info.available) fail("bench needs a CUDA GPU: {}", info.reason);
   int max_ctx = 0;
@@ -83,6 +83,7 @@ int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector
   CudaStageTimes stages;
   if (breakdown) opt.stage_times = &stages;
   opt.cuda_graphs = !no_graphs;
+  opt.padded_experts = padded_experts;
   std::unique_ptr<LoadedModel> model;
   std::unique_ptr<Backend> be;
   Timer timer;
@@ -107,6 +108,8 @@ int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector
   out["weights"] = model_dir.empty() ? "synthetic full-size (seed " + std::to_string(seed) + ")" : model_dir;
   out["load_ms"] = load_ms;
   out["reps"] = reps;
+  out["cuda_graphs"] = !no_graphs;
+  out["experts"] = padded_experts ? "padded strided-batched cuBLASLt (experimental)" : "grouped kernels";
 
   // Prefill throughput from an empty cache (one untimed warm-up at the smallest size first).
   be->prefill(random_ids(std::min(512, prefills.empty() ? 512 : prefills[0])));
@@ -174,7 +177,8 @@ int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector
   if (json) {
     std::printf("%s\n", out.dump(2).c_str());
   } else {
-    std::printf("device: %s\nweights: %s\n\n", info.name.c_str(), out["weights"].get<std::string>().c_str());
+    std::printf("device: %s\nweights: %s\nexperts: %s\n\n", info.name.c_str(), out["weights"].get<std::string>().c_str(),
+                out["experts"].get<std::string>().c_str());
     std::printf("| kv context | denoise step (ms) | commit 256 (ms) | tok/s at 16 steps |\n|---:|---:|---:|---:|\n");
     for (int ctx : contexts) {
       auto& d = out["denoise"][std::to_string(ctx)];
@@ -207,6 +211,7 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        auto json = std::make_shared<bool>(false);
                        auto breakdown = std::make_shared<bool>(false);
                        auto no_graphs = std::make_shared<bool>(false);
+                       auto padded = std::make_shared<bool>(false);
                        sub.add_option("-m,--model", *model, "checkpoint directory (default: synthetic weights)");
                        sub.add_option("--seed", *seed, "seed of the synthetic weights and inputs");
                        sub.add_option("--reps", *reps, "timed denoise steps per context (median reported)");
@@ -216,10 +221,12 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--breakdown", *breakdown,
                                     "also time each stage of a denoise step (CUDA events, summed over layers)");
                        sub.add_flag("--no-graphs", *no_graphs, "launch the decoder layers eagerly (no CUDA graph)");
+                       sub.add_flag("--padded-experts", *padded,
+                                    "experiment: padded strided-batched expert GEMMs (CudaOptions::padded_experts)");
                        return [=]() -> int {
 #ifdef DIFFGEMMA_WITH_CUDA
                          return run_bench(*model, *seed, *reps, parse_sizes(*ctx), parse_sizes(*pre), *json,
-                                          *breakdown, *no_graphs);
+                                          *breakdown, *no_graphs, *padded);
 #else
                          fail("diffgemma was built without CUDA: bench needs the CUDA backend");
 #endif

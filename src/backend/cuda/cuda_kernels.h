@@ -29,6 +29,8 @@ void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, con
                  const float* w, float eps, float scalar, cudaStream_t s);
 // act[r, i] = gelu_tanh(gu[r, i]) * gu[r, I + i]   (gu: [rows, 2I])
 void gelu_mul(const bf16* gu, int rows, int I, bf16* act, cudaStream_t s);
+// the same from f32 gate/up (the padded expert path keeps them f32, as the grouped kernels do, before the activation)
+void gelu_mul_f32(const float* gu, int rows, int I, bf16* act, cudaStream_t s);
 // h += a (f32), used for the SC signal: e += sc
 void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s);
 
@@ -90,6 +92,19 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
 // group depends on atomics, but every row is computed independently, so results do not.
 void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int32_t* offsets, int32_t* sorted_pos,
                bf16* xs, cudaStream_t s);
+// The same grouping with every expert padded to M rows, for the strided-batched expert GEMMs (cuBLASLt streams the
+// expert weights at ~4.1 TB/s where the grouped kernels below reach ~3.4 at decode shapes): pair -> row e M + slot
+// for the first M pairs of expert e; further pairs ("overflow", rare) -> rows [ovf_offsets[e], ovf_offsets[e+1])
+// after the E M padded rows, to be run through moe_gate_up / moe_down with ovf_offsets as their offsets. Padding rows
+// are not written (each GEMM output row depends on its own input row only, and the combine never reads them).
+// xs needs E M + T k rows.
+void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int M, int32_t* ovf_offsets,
+                      int32_t* sorted_pos, bf16* xs, cudaStream_t s);
+// M for moe_group_padded at T tokens top-k of E: twice the mean rows per expert, a multiple of 16, at least 16.
+inline int moe_padded_rows_per_expert(int T, int k, int E) {
+  const int mean = (T * k + E - 1) / E, m = 2 * mean > 16 ? 2 * mean : 16;
+  return (m + 15) / 16 * 16;
+}
 // Grouped expert GEMMs over rows grouped by expert (offsets [E+1], rows [0, P)):
 //   act[r, :] = gelu_tanh(xs[r] . Wgu[e, 0:I]^T) * (xs[r] . Wgu[e, I:2I]^T)     Wgu: [E, 2I, H]
 //   y[r, :] = act[r] . Wd[e]^T                                                 Wd:  [E, H, I]  (f32 out)

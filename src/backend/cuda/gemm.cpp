@@ -29,6 +29,11 @@ void Gemm::linear(const void* x, Dt xt, int T, const void* W, Dt wt, int out, in
   run(true, out, T, in, W, wt, in, x, xt, in, y, yt, out, s);
 }
 
+void Gemm::linear_batched(const void* x, Dt xt, int T, const void* W, Dt wt, int out, int in, void* y, Dt yt,
+                          int batch, cudaStream_t s) {
+  run(true, out, T, in, W, wt, in, x, xt, in, y, yt, out, s, batch);
+}
+
 void Gemm::through_table(const void* p, Dt pt, int T, const void* E, Dt et, int V, int H, void* y, Dt yt,
                          cudaStream_t s) {
   // Column-major y^T[H, T] = E^T(col-major [H, V]) . p^T(col-major [V, T]).
@@ -36,9 +41,9 @@ void Gemm::through_table(const void* p, Dt pt, int T, const void* E, Dt et, int 
 }
 
 void Gemm::run(bool transa, int m, int n, int k, const void* A, Dt at, int lda, const void* B, Dt bt, int ldb,
-               void* C, Dt ct, int ldc, cudaStream_t s) {
-  if (m == 0 || n == 0) return;
-  Key key{transa, m, n, k, int(at), int(bt), int(ct)};
+               void* C, Dt ct, int ldc, cudaStream_t s, int batch) {
+  if (m == 0 || n == 0 || batch == 0) return;
+  Key key{transa, m, n, k, int(at), int(bt), int(ct), batch};
   auto it = plans_.find(key);
   if (it == plans_.end()) {
     Plan p;
@@ -51,6 +56,17 @@ void Gemm::run(bool transa, int m, int n, int k, const void* A, Dt at, int lda, 
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, cuda_type(at), transa ? k : m, transa ? m : k, lda));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, cuda_type(bt), k, n, ldb));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, cuda_type(ct), m, n, ldc));
+    if (batch > 1) {  // densely packed operands: A_b at b m k, B_b at b k n, C_b at b m n
+      const int32_t count = batch;
+      const int64_t strides[3] = {int64_t(m) * k, int64_t(k) * n, int64_t(m) * n};
+      const cublasLtMatrixLayout_t layouts[3] = {p.a, p.b, p.c};
+      for (int i = 0; i < 3; ++i) {
+        CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                                      sizeof count));
+        CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                      &strides[i], sizeof strides[i]));
+      }
+    }
     cublasLtMatmulPreference_t pref;
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,

@@ -21,6 +21,10 @@ class Gemm {
 
   // y[T, out] = x[T, in] . W[out, in]^T   (PyTorch Linear layout)
   void linear(const void* x, Dt xt, int T, const void* W, Dt wt, int out, int in, void* y, Dt yt, cudaStream_t s);
+  // For b in [0, batch): y_b[T, out] = x_b[T, in] . W_b[out, in]^T with x_b = x + b T in, W_b = W + b out in,
+  // y_b = y + b T out (the padded expert GEMMs: every expert's rows padded to T)
+  void linear_batched(const void* x, Dt xt, int T, const void* W, Dt wt, int out, int in, void* y, Dt yt, int batch,
+                      cudaStream_t s);
   // y[T, H] = p[T, V] . E[V, H]   (soft embedding through the table)
   void through_table(const void* p, Dt pt, int T, const void* E, Dt et, int V, int H, void* y, Dt yt, cudaStream_t s);
 
@@ -30,10 +34,10 @@ class Gemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
-  // column-major C[m, n] = op(A) op(B); key: transa, m, n, k, dtypes
-  using Key = std::tuple<bool, int, int, int, int, int, int>;
+  // column-major C[m, n] = op(A) op(B), `batch` times at strides m k / k n / m n; key: transa, m, n, k, dtypes, batch
+  using Key = std::tuple<bool, int, int, int, int, int, int, int>;
   void run(bool transa, int m, int n, int k, const void* A, Dt at, int lda, const void* B, Dt bt, int ldb, void* C,
-           Dt ct, int ldc, cudaStream_t s);
+           Dt ct, int ldc, cudaStream_t s, int batch = 1);
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_;

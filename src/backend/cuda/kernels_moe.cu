@@ -139,6 +139,30 @@ __global__ void moe_assign_k(const int32_t* idx, int P, int E, int32_t* offsets,
   for (int i = threadIdx.x; i < P; i += blockDim.x) sorted_pos[i] = atomicAdd(&cnt[idx[i]], 1);
 }
 
+// Padded grouping (moe_group_padded): expert e's first M pairs go to rows e M .. e M + M - 1, the rest ("overflow")
+// to rows from ovf[e] = E M + (overflow of the experts before e); ovf[E] = end of the overflow rows.
+__global__ void moe_assign_padded_k(const int32_t* idx, int P, int E, int M, int32_t* ovf, int32_t* sorted_pos) {
+  extern __shared__ int cnt[];  // [E] counts, then cursors
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&cnt[idx[i]], 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int run = E * M;
+    for (int e = 0; e < E; ++e) {
+      ovf[e] = run;
+      run += max(0, cnt[e] - M);
+      cnt[e] = 0;
+    }
+    ovf[E] = run;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < P; i += blockDim.x) {
+    const int e = idx[i], slot = atomicAdd(&cnt[e], 1);
+    sorted_pos[i] = slot < M ? e * M + slot : ovf[e] + slot - M;
+  }
+}
+
 __global__ void moe_gather_k(const int32_t* sorted_pos, int k, const uint4* x, int hvec, uint4* xs) {
   const int pair = blockIdx.x, t = pair / k;
   const size_t dst = size_t(sorted_pos[pair]) * hvec;
@@ -310,6 +334,16 @@ void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, in
                bf16* xs, cudaStream_t s) {
   const int P = T * k;
   moe_assign_k<<<1, 1024, size_t(E) * sizeof(int), s>>>(idx, P, E, offsets, sorted_pos);
+  CUDA_CHECK_LAUNCH();
+  if (P == 0) return;
+  moe_gather_k<<<P, 128, 0, s>>>(sorted_pos, k, reinterpret_cast<const uint4*>(x), H / 8, reinterpret_cast<uint4*>(xs));
+  CUDA_CHECK_LAUNCH();
+}
+
+void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int M, int32_t* ovf_offsets,
+                      int32_t* sorted_pos, bf16* xs, cudaStream_t s) {
+  const int P = T * k;
+  moe_assign_padded_k<<<1, 1024, size_t(E) * sizeof(int), s>>>(idx, P, E, M, ovf_offsets, sorted_pos);
   CUDA_CHECK_LAUNCH();
   if (P == 0) return;
   moe_gather_k<<<P, 128, 0, s>>>(sorted_pos, k, reinterpret_cast<const uint4*>(x), H / 8, reinterpret_cast<uint4*>(xs));

@@ -209,6 +209,12 @@ __global__ void gelu_mul_k(const bf16* gu, int rows, int I, bf16* act) {
     }
 }
 
+__global__ void gelu_mul_f32_k(const float* gu, int rows, int I, bf16* act) {
+  for (int r = blockIdx.y; r < rows; r += gridDim.y)
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < I; i += gridDim.x * blockDim.x)
+      act[size_t(r) * I + i] = __float2bfloat16(gelu_tanh(gu[size_t(r) * 2 * I + i]) * gu[size_t(r) * 2 * I + I + i]);
+}
+
 __global__ void add_bf16_to_f32_k(float* h, const bf16* a, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     h[i] += __bfloat162float(a[i]);
@@ -458,6 +464,12 @@ void gelu_mul(const bf16* gu, int rows, int I, bf16* act, cudaStream_t s) {
   if (rows == 0) return;
   dim3 grid(unsigned((I + 255) / 256), unsigned(rows < 65535 ? rows : 65535));
   gelu_mul_k<<<grid, 256, 0, s>>>(gu, rows, I, act);
+  CUDA_CHECK_LAUNCH();
+}
+void gelu_mul_f32(const float* gu, int rows, int I, bf16* act, cudaStream_t s) {
+  if (rows == 0) return;
+  dim3 grid(unsigned((I + 255) / 256), unsigned(rows < 65535 ? rows : 65535));
+  gelu_mul_f32_k<<<grid, 256, 0, s>>>(gu, rows, I, act);
   CUDA_CHECK_LAUNCH();
 }
 void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s) {
