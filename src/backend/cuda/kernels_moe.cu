@@ -190,6 +190,21 @@ __global__ void moe_combine_k(const float* y, const int32_t* idx, const float* w
   }
 }
 
+// Token t's k (expert row, weight) pairs in ascending expert id (HF's index_add_ order; a stable insertion sort),
+// for one thread to fill the block's shared lists before a barrier.
+__device__ void combine_sources(const int32_t* idx, const float* w, const int32_t* sorted_pos, int t, int k,
+                                int* src_row, float* src_w) {
+  int order[kMaxTopK];
+  for (int j = 0; j < k; ++j) order[j] = j;
+  for (int j = 1; j < k; ++j)
+    for (int i = j; i > 0 && idx[t * k + order[i]] < idx[t * k + order[i - 1]]; --i) {
+      const int tmp = order[i];
+      order[i] = order[i - 1];
+      order[i - 1] = tmp;
+    }
+  for (int j = 0; j < k; ++j) src_row[j] = sorted_pos[t * k + order[j]], src_w[j] = w[t * k + order[j]];
+}
+
 // moe_combine_k and ffn_combine_k (kernels_rows.cu) in one pass per token: the combined expert row m2 stays in shared
 // memory instead of a [T, H] f32 round trip through global memory and a second launch. Same arithmetic and order.
 __global__ void moe_combine_ffn_k(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k,
@@ -199,17 +214,7 @@ __global__ void moe_combine_ffn_k(const float* y, const int32_t* idx, const floa
   __shared__ int src_row[kMaxTopK];
   __shared__ float src_w[kMaxTopK];
   const int t = blockIdx.x;
-  if (threadIdx.x == 0) {
-    int order[kMaxTopK];
-    for (int j = 0; j < k; ++j) order[j] = j;
-    for (int j = 1; j < k; ++j)  // insertion sort by expert id: HF's index_add_ order
-      for (int i = j; i > 0 && idx[t * k + order[i]] < idx[t * k + order[i - 1]]; --i) {
-        int tmp = order[i];
-        order[i] = order[i - 1];
-        order[i - 1] = tmp;
-      }
-    for (int j = 0; j < k; ++j) src_row[j] = sorted_pos[t * k + order[j]], src_w[j] = w[t * k + order[j]];
-  }
+  if (threadIdx.x == 0) combine_sources(idx, w, sorted_pos, t, k, src_row, src_w);
   __syncthreads();
   const size_t off = size_t(t) * H;
   float s1 = 0, s2 = 0;
@@ -243,17 +248,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
   __shared__ int src_row[KMAX];
   __shared__ float src_w[KMAX];
   const int t = blockIdx.x, H4 = H / 4;
-  if (threadIdx.x == 0) {
-    int order[KMAX];
-    for (int j = 0; j < k; ++j) order[j] = j;
-    for (int j = 1; j < k; ++j)  // insertion sort by expert id: HF's index_add_ order
-      for (int i = j; i > 0 && idx[t * k + order[i]] < idx[t * k + order[i - 1]]; --i) {
-        int tmp = order[i];
-        order[i] = order[i - 1];
-        order[i - 1] = tmp;
-      }
-    for (int j = 0; j < k; ++j) src_row[j] = sorted_pos[t * k + order[j]], src_w[j] = w[t * k + order[j]];
-  }
+  if (threadIdx.x == 0) combine_sources(idx, w, sorted_pos, t, k, src_row, src_w);
   __syncthreads();
   const size_t off = size_t(t) * H;
   float4 m2[NV], a1[NV];
