@@ -439,3 +439,21 @@ TEST(BlockLoop, RejectsBadInputsWithAMessage) {
   EXPECT_THROW(generate(be, std::vector<int32_t>{}, base_options(8, 3)), Error);
   EXPECT_TRUE(be.calls.empty());
 }
+
+// fixed_steps(N): even rows that would stop at once (one-hot, stop ids everywhere) run N steps per canvas and the
+// turn fills max_new_tokens, so a benchmark's step count is exactly blocks x N.
+TEST(BlockLoop, FixedStepsRunsEveryCanvasToTheEnd) {
+  FakeBackend be(1000, 8, rows_by([](int, int, const DenoiseRequest&, int64_t) { return make_row(1, 0.0f); }));
+  GenerationOptions o = base_options(20, 5);
+  o.fixed_steps(5);
+  auto r = generate(be, kPrompt, o);
+  EXPECT_EQ(r.ids.size(), 20u);
+  EXPECT_EQ(r.stop_token, -1);
+  EXPECT_EQ(r.forwards, 3 * 5);
+  EXPECT_EQ(r.steps_per_block(), (std::vector<int>{5, 5, 5}));
+  // the same rows with the defaults stop after one step on the stop id
+  GenerationOptions d = base_options(20, 5);
+  FakeBackend be2(1000, 8, rows_by([](int, int, const DenoiseRequest&, int64_t) { return make_row(1, 0.0f); }));
+  auto r2 = generate(be2, kPrompt, d);
+  EXPECT_LT(r2.forwards, 15);
+}

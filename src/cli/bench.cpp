@@ -14,8 +14,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include <chrono>
+
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_device.h"
+#include "diffusion/generate.h"
 #include "model/weights.h"
 #endif
 
@@ -72,12 +75,14 @@ double median(std::vector<double> v) {
 }
 
 int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector<int> contexts,
-              std::vector<int> prefills, bool json, bool breakdown, bool no_graphs, bool padded_experts) {
+              std::vector<int> prefills, bool json, bool breakdown, bool no_graphs, bool padded_experts,
+              int fixed_steps, int e2e_prompt, int e2e_tokens) {
   auto info = cuda::query_device(0);
   if (!info.available) fail("bench needs a CUDA GPU: {}", info.reason);
   int max_ctx = 0;
   for (int c : contexts) max_ctx = std::max(max_ctx, c);
   for (int p : prefills) max_ctx = std::max(max_ctx, p);
+  if (fixed_steps > 0) max_ctx = std::max(max_ctx, e2e_prompt + e2e_tokens);
   CudaOptions opt;
   opt.max_context = max_ctx + 1024;
   CudaStageTimes stages;
@@ -174,6 +179,33 @@ int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector
                  ctx, step, *std::min_element(t.begin(), t.end()), commit_ms, e2e);
   }
 
+  // End to end through the block loop: prompt prefill, then every canvas at exactly `fixed_steps` denoise steps
+  // (no early stop, no stop token), host sampler and commits included: HF's "prompt + N tokens at 16 steps" run.
+  if (fixed_steps > 0) {
+    diffusion::GenerationOptions o;
+    o.max_new_tokens = e2e_tokens;
+    o.seed = seed;
+    o.fixed_steps(fixed_steps);
+    o.validate(cfg);
+    auto prompt = random_ids(e2e_prompt);
+    std::vector<double> t;
+    int64_t forwards = 0;
+    for (int r = 0; r < 3; ++r) {  // the first run is the warm-up (graph capture at these kv lengths)
+      be->truncate(0);
+      const auto t0 = std::chrono::steady_clock::now();
+      auto res = diffusion::generate(*be, prompt, o);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      if (r > 0) t.push_back(ms);
+      forwards = res.forwards;
+    }
+    const double ms = median(t);
+    out["end_to_end"] = {{"prompt", e2e_prompt}, {"tokens", e2e_tokens}, {"steps_per_canvas", fixed_steps},
+                         {"forwards", forwards}, {"ms", ms}, {"tok_per_s", e2e_tokens / (ms / 1e3)}};
+    std::fprintf(stderr, "end to end: %d-token prompt + %d tokens at %d steps per canvas: %.1f ms (%lld forwards), "
+                 "%.0f tok/s\n", e2e_prompt, e2e_tokens, fixed_steps, ms, static_cast<long long>(forwards),
+                 e2e_tokens / (ms / 1e3));
+  }
+
   if (json) {
     std::printf("%s\n", out.dump(2).c_str());
   } else {
@@ -189,6 +221,12 @@ int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector
     for (int p : prefills) {
       auto& d = out["prefill"][std::to_string(p)];
       std::printf("| %d | %.1f | %.0f |\n", p, d["ms"].get<double>(), d["tok_per_s"].get<double>());
+    }
+    if (out.contains("end_to_end")) {
+      auto& d = out["end_to_end"];
+      std::printf("\n| end to end | ms | tok/s |\n|---|---:|---:|\n| %d-token prompt + %d tokens, %d steps/canvas | %.1f | "
+                  "%.0f |\n", d["prompt"].get<int>(), d["tokens"].get<int>(), d["steps_per_canvas"].get<int>(),
+                  d["ms"].get<double>(), d["tok_per_s"].get<double>());
     }
   }
   return 0;
@@ -212,6 +250,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        auto breakdown = std::make_shared<bool>(false);
                        auto no_graphs = std::make_shared<bool>(false);
                        auto padded = std::make_shared<bool>(false);
+                       auto fixed = std::make_shared<int>(16);
+                       auto e2e_prompt = std::make_shared<int>(4096);
+                       auto e2e_tokens = std::make_shared<int>(256);
                        sub.add_option("-m,--model", *model, "checkpoint directory (default: synthetic weights)");
                        sub.add_option("--seed", *seed, "seed of the synthetic weights and inputs");
                        sub.add_option("--reps", *reps, "timed denoise steps per context (median reported)");
@@ -221,12 +262,19 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--breakdown", *breakdown,
                                     "also time each stage of a denoise step (CUDA events, summed over layers)");
                        sub.add_flag("--no-graphs", *no_graphs, "launch the decoder layers eagerly (no CUDA graph)");
+                       sub.add_option("--fixed-steps", *fixed,
+                                      "end-to-end run with exactly this many denoise steps per canvas (0: skip)")
+                           ->check(CLI::NonNegativeNumber);
+                       sub.add_option("--e2e-prompt", *e2e_prompt, "prompt tokens of the end-to-end run")
+                           ->check(CLI::PositiveNumber);
+                       sub.add_option("--e2e-tokens", *e2e_tokens, "generated tokens of the end-to-end run")
+                           ->check(CLI::PositiveNumber);
                        sub.add_flag("--padded-experts", *padded,
                                     "experiment: padded strided-batched expert GEMMs (CudaOptions::padded_experts)");
                        return [=]() -> int {
 #ifdef DIFFGEMMA_WITH_CUDA
                          return run_bench(*model, *seed, *reps, parse_sizes(*ctx), parse_sizes(*pre), *json,
-                                          *breakdown, *no_graphs, *padded);
+                                          *breakdown, *no_graphs, *padded, *fixed, *e2e_prompt, *e2e_tokens);
 #else
                          fail("diffgemma was built without CUDA: bench needs the CUDA backend");
 #endif

@@ -40,6 +40,14 @@ GenerationOptions& GenerationOptions::disable_extras() {
   return *this;
 }
 
+GenerationOptions& GenerationOptions::fixed_steps(int steps) {
+  disable_extras();
+  max_steps = steps;
+  stability_threshold = steps;  // S previous canvases must exist before a stop: never within a block of S steps
+  stop_ids.clear();
+  return *this;
+}
+
 const char* denoiser_name(Denoiser d) { return d == Denoiser::Argmax ? "seed" : "hf"; }
 
 Denoiser parse_denoiser(const std::string& name) {

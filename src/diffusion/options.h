@@ -49,6 +49,10 @@ struct GenerationOptions {
   static GenerationOptions from_config(const GenerationConfig& gc);
   // HF parity: no first-step SC seed, no plateau / pad gate / entropy-only stop, no re-roll, no trim.
   GenerationOptions& disable_extras();
+  // Benchmarking (`diffgemma bench --fixed-steps`, HF's "N steps per canvas" runs): every canvas runs exactly
+  // `steps` denoise forwards. HF semantics plus no stop ids and a stability window as long as the block, so neither
+  // a stop token nor the confident stop can end a block or the turn early.
+  GenerationOptions& fixed_steps(int steps);
   // Throws dg::Error naming the offending field.
   void validate(const ModelConfig& model) const;
 };
