@@ -33,6 +33,7 @@
 #include "model/safetensors.h"
 #include "model/weights.h"
 #include "util/mmap_file.h"
+#include "cuda_test_options.h"
 
 namespace dg {
 namespace {
@@ -141,7 +142,7 @@ TEST(CudaFullShape, MatchesHfTransformers) {
               cond ? "cosine >= 0.999 and argmax >= 99% vs both HF runs" : "floors from HF bf16 vs f32");
   const int L = int(c1.size()), V = model->config.vocab_size;
 
-  CudaOptions opt;
+  CudaOptions opt = cuda_test_options();
   opt.max_context = int64_t(prompt.size() + c1.size() + c2.size());
   opt.progress = false;
   auto gpu = make_cuda_backend(*model, opt);

@@ -25,6 +25,7 @@
 #include "conditioned_case.h"
 #include "model/weights.h"
 #include "util/mmap_file.h"
+#include "cuda_test_options.h"
 
 namespace dg {
 namespace {
@@ -94,7 +95,7 @@ TEST_P(CudaParity, MatchesCpuBackend) {
   auto& model = fc.model;
   const auto &prompt = fc.prompt, &c1 = fc.canvas1, &c2 = fc.canvas2;
   auto cpu = make_cpu_backend(*model, 2);
-  CudaOptions opt;
+  CudaOptions opt = cuda_test_options();
   opt.max_context = 1024;
   opt.prefill_chunk = 7;  // several chunks per prefill: chunking must not change the result
   opt.sliding_rewind = int64_t(c1.size());
@@ -349,7 +350,7 @@ TEST_P(CudaParity, LayerTrace) {
   t.V = model->config.vocab_size;
   t.cpu = make_cpu_backend(*model, 2);
   t.iso = make_cpu_backend(*model, 2);
-  CudaOptions opt;
+  CudaOptions opt = cuda_test_options();
   opt.max_context = 1024;
   opt.prefill_chunk = 1024;  // one chunk per prefill: stages are per call (chunking is checked by MatchesCpuBackend)
   opt.sliding_rewind = int64_t(c1.size());
@@ -398,7 +399,7 @@ TEST(CudaParity, ConditionedGenerationIdentical) {
   auto model = load_model(conditioned::fixture_dir());
   const auto o = conditioned::options(*model);
   const auto prompt = conditioned::prompt();
-  CudaOptions opt;
+  CudaOptions opt = cuda_test_options();
   opt.max_context = 1024;
   opt.progress = false;
   {  // one denoise after the prompt: accumulated error through the whole stack, asserted here
