@@ -180,6 +180,25 @@ TEST_F(ServerHttp, DraftEventsCarryTheCanvas) {
   EXPECT_GE(drafts, 1);
 }
 
+// tool_choice "required" with one tool starts the reply inside that call: the model output only continues it.
+TEST_F(ServerHttp, RequiredToolChoiceStartsTheOnlyToolsCall) {
+  const Json tools = Json::parse(R"([{"type":"function","function":{"name":"get_weather",
+      "parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}])");
+  Json req = {{"messages", Json::array({{{"role", "user"}, {"content", "Weather in Paris?"}}})},
+              {"tools", tools},
+              {"tool_choice", "required"},
+              {"seed", 3},
+              {"max_tokens", 40},
+              {"x_test_output", "city:<|\"|>Paris<|\"|>}<tool_call|><|tool_response>"}};
+  const Json r = post_json("/v1/chat/completions", req);
+  const Json& msg = r["choices"][0]["message"];
+  EXPECT_EQ(r["choices"][0]["finish_reason"], "tool_calls");
+  ASSERT_EQ(msg["tool_calls"].size(), 1u);
+  EXPECT_EQ(msg["tool_calls"][0]["function"]["name"], "get_weather");
+  EXPECT_EQ(Json::parse(msg["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+            Json::parse(R"({"city":"Paris"})"));
+}
+
 TEST_F(ServerHttp, ToolCallRoundTripThroughTheHook) {
   const Json tools = Json::parse(R"([{"type":"function","function":{"name":"get_weather","description":"Weather",
       "parameters":{"type":"object","properties":{"city":{"type":"string"},"days":{"type":"integer"}},"required":["city"]}}}])");

@@ -237,5 +237,17 @@ TEST(ServerTextStream, ForcedPrefixOpensTheNamedCall) {
   EXPECT_EQ(d.tool_calls[0].arguments["q"], "x");
 }
 
+// tool_choice "required" with several tools: the reply starts inside an open call and the model writes the name.
+TEST(ServerTextStream, ForcedOpenCallTakesTheModelsName) {
+  OutputMapper m(tok(), {}, true, "<|tool_call>call:");
+  OutputDelta d = m.push(ids_of("lookup{q:<|\"|>x<|\"|>}<tool_call|>"));
+  auto f = m.finish();
+  d.tool_calls.insert(d.tool_calls.end(), f.tool_calls.begin(), f.tool_calls.end());
+  ASSERT_EQ(d.tool_calls.size(), 1u);
+  EXPECT_EQ(d.tool_calls[0].name, "lookup");
+  EXPECT_EQ(d.tool_calls[0].arguments["q"], "x");
+  EXPECT_TRUE(d.content.empty() && f.content.empty());
+}
+
 }  // namespace
 }  // namespace dg::server

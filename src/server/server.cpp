@@ -172,9 +172,13 @@ struct Server::Impl {
       throw bad_request("messages", e.what());
     }
     std::string forced;
-    if (r.tool_choice == ToolChoice::Named) {
-      // The model cannot be constrained, but it can be started inside the call it was told to make.
-      forced = "<|tool_call>call:" + r.tool_choice_name + "{";
+    if (r.tool_choice == ToolChoice::Named || r.tool_choice == ToolChoice::Required) {
+      // The model cannot be constrained, but its reply can be started inside a call: the named one, the only tool,
+      // or (required, several tools) an open call whose name the model writes.
+      std::string name = r.tool_choice_name;
+      if (r.tool_choice == ToolChoice::Required && r.tools.size() == 1)
+        name = r.tools[0]["function"]["name"].get<std::string>();  // validated by check_tools
+      forced = name.empty() ? "<|tool_call>call:" : "<|tool_call>call:" + name + "{";
       segs.push_back({forced, true});
     }
     auto job = std::make_shared<Job>();
