@@ -104,7 +104,9 @@ TEST(ChatTemplate, SegmentsJoinToTheGoldenAndAlternate) {
     EXPECT_TRUE(segments.front().is_markup);  // the prompt opens with <bos>
     for (size_t i = 0; i < segments.size(); ++i) {
       EXPECT_FALSE(segments[i].text.empty());
-      if (i) EXPECT_NE(segments[i].is_markup, segments[i - 1].is_markup) << "adjacent segments must be merged";
+      if (i) {
+        EXPECT_NE(segments[i].is_markup, segments[i - 1].is_markup) << "adjacent segments must be merged";
+      }
     }
   }
 }

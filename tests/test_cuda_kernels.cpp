@@ -56,7 +56,7 @@ std::vector<bf16> to_bf16(std::vector<float>& v) {
   for (size_t i = 0; i < v.size(); ++i) {
     uint16_t h = f32_to_bf16(v[i]);
     v[i] = bf16_to_f32(h);
-    std::memcpy(&b[i], &h, 2);
+    std::memcpy(static_cast<void*>(&b[i]), &h, 2);
   }
   return b;
 }
@@ -428,7 +428,9 @@ TEST(CudaKernels, MoePaddedExperts) {
     for (int c : cnt) overflow += std::max(0, c - M);
     auto o = ovf.get();
     EXPECT_EQ(o[size_t(E)] - o[0], overflow) << "E " << E << " M " << M;
-    if (M == 16 && E == 16) EXPECT_GT(overflow, 0) << "the case meant to overflow does not";
+    if (M == 16 && E == 16) {
+      EXPECT_GT(overflow, 0) << "the case meant to overflow does not";
+    }
     EXPECT_LE(rel_err(out.get(), moe_reference(x, gu, dn, wts, idx, T, E, k, H, I)), 1e-2)
         << "T " << T << " E " << E << " H " << H << " M " << M;
   }

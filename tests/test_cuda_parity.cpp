@@ -67,7 +67,9 @@ void expect_kv_close(const Backend& got, const Backend& want, const std::string&
         mr = std::max(mr, double(std::fabs((*wv)[i])));
       }
       worst = std::max(worst, md / mr);
-      if (assert_close) EXPECT_LE(md / mr, 2e-2) << what << " " << name << " layer " << l;
+      if (assert_close) {
+        EXPECT_LE(md / mr, 2e-2) << what << " " << name << " layer " << l;
+      }
     }
   }
   std::printf("[parity] %-28s kv worst rel err %.3e\n", what.c_str(), worst);

@@ -145,7 +145,9 @@ TEST_F(ServerHttp, ChatIsDeterministicPerSeedAndStreamEqualsNonStream) {
       continue;
     }
     const Json& ch = c["choices"][0];
-    if (i == 0) EXPECT_EQ(ch["delta"]["role"], "assistant");
+    if (i == 0) {
+      EXPECT_EQ(ch["delta"]["role"], "assistant");
+    }
     if (ch["delta"].contains("content")) content += ch["delta"]["content"].get<std::string>();
     if (!ch["finish_reason"].is_null()) finish = ch["finish_reason"];
   }

@@ -29,7 +29,9 @@ void expect_bad(const std::string& body, const std::string& param, const std::st
   ASSERT_TRUE(e) << body;
   EXPECT_EQ(e->status, 400) << body;
   EXPECT_EQ(e->param, param) << body << " -> " << e->what();
-  if (!code.empty()) EXPECT_EQ(e->code, code) << body;
+  if (!code.empty()) {
+    EXPECT_EQ(e->code, code) << body;
+  }
 }
 
 constexpr const char* kMsgs = R"("messages":[{"role":"user","content":"hi"}])";

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 #include <random>
 
 #include "server/protocol.h"
@@ -157,7 +158,6 @@ struct Server::Impl {
     bool include_usage = false;
     size_t tool_index = 0;
     ChatMessageOut message;
-    bool role_sent = false;
   };
 
   std::shared_ptr<ChatState> start_chat(const httplib::Request& req, ChatRequest& r) {
@@ -267,49 +267,19 @@ struct Server::Impl {
       }
       return;
     }
-    res.set_header("Cache-Control", "no-cache");
-    res.set_chunked_content_provider(
-        "text/event-stream",
-        [this, st](size_t, httplib::DataSink& sink) {
-          auto write = [&](const std::string& s) {
-            if (s.empty() || sink.write(s.data(), s.size())) return true;
-            st->job->cancel.cancel();  // the client is gone: stop denoising at the next step
-            return false;
-          };
-          if (!st->role_sent) {
-            st->role_sent = true;
-            if (!write(sse_data(chat_chunk(st->id, st->created, st->model, Json{{"role", "assistant"}, {"content", ""}}))))
-              return false;
-          }
-          EngineEvent ev;
-          bool timed_out = false;
-          if (!st->job->next_for(ev, kKeepAlive, timed_out)) return timed_out ? write(": keep-alive\n\n") : false;
-          switch (ev.kind) {
-            case EngineEvent::Kind::Tokens: return write(absorb(*st, st->mapper->push(ev.ids), true));
-            case EngineEvent::Kind::Draft: return write(draft_event(st->id, st->created, ev));
-            case EngineEvent::Kind::Error: {
-              ApiError e(500, "server_error", "generation failed: " + ev.error);
-              if (!write(sse_data(error_body(e))) || !write(kSseDone)) return false;
-              sink.done();
-              return true;
-            }
-            case EngineEvent::Kind::Done: {
-              std::string out = absorb(*st, st->mapper->finish(), true);
-              const char* fr = finish_reason(ev.result, st->mapper->stopped(), !st->message.tool_calls.empty());
-              out += sse_data(chat_chunk(st->id, st->created, st->model, Json::object(), fr));
-              if (st->include_usage)
-                out += sse_data(usage_chunk(st->id, st->created, st->model, "chat.completion.chunk", make_usage(*st->job, ev)));
-              out += kSseDone;
-              if (!write(out)) return false;
-              sink.done();
-              return true;
-            }
-          }
-          return false;
-        },
-        [st](bool success) {
-          if (!success) st->job->cancel.cancel();
-        });
+    stream_events(res, st->job, st->id, st->created,
+                  {[st] { return sse_data(chat_chunk(st->id, st->created, st->model,
+                                                     Json{{"role", "assistant"}, {"content", ""}})); },
+                   [this, st](const EngineEvent& ev) { return absorb(*st, st->mapper->push(ev.ids), true); },
+                   [this, st](const EngineEvent& ev) {
+                     std::string out = absorb(*st, st->mapper->finish(), true);
+                     const char* fr = finish_reason(ev.result, st->mapper->stopped(), !st->message.tool_calls.empty());
+                     out += sse_data(chat_chunk(st->id, st->created, st->model, Json::object(), fr));
+                     if (st->include_usage)
+                       out += sse_data(usage_chunk(st->id, st->created, st->model, "chat.completion.chunk",
+                                                   make_usage(*st->job, ev)));
+                     return out;
+                   }});
   }
 
   // ---- completions ----
@@ -357,44 +327,64 @@ struct Server::Impl {
       return;
     }
     const bool include_usage = r.include_usage;
+    stream_events(res, job, id, created,
+                  {nullptr,
+                   [this, job, mapper, id, created](const EngineEvent& ev) {
+                     auto d = mapper->push(ev.ids);
+                     if (mapper->stopped()) job->cancel.cancel();
+                     return d.content.empty() ? std::string() : sse_data(text_chunk(id, created, model_id, d.content));
+                   },
+                   [this, job, mapper, id, created, include_usage, finish](const EngineEvent& ev) {
+                     std::string out;
+                     auto d = mapper->finish();
+                     if (!d.content.empty()) out += sse_data(text_chunk(id, created, model_id, d.content));
+                     out += sse_data(text_chunk(id, created, model_id, "", finish(ev)));
+                     if (include_usage)
+                       out += sse_data(usage_chunk(id, created, model_id, "text_completion", make_usage(*job, ev)));
+                     return out;
+                   }});
+  }
+
+  // What one streaming endpoint writes for its events; the shared pump is stream_events.
+  struct SseWriter {
+    std::function<std::string()> preamble;                  // once before the first event (may be null)
+    std::function<std::string(const EngineEvent&)> tokens;  // a committed block ("" writes nothing)
+    std::function<std::string(const EngineEvent&)> done;    // the closing chunks, before [DONE]
+  };
+
+  // Server-Sent Events pumped from a job: keep-alive comments while it denoises, drafts, an error body on failure,
+  // then [DONE]. A failed write means the client is gone: the job is cancelled (it stops at the next step).
+  void stream_events(httplib::Response& res, std::shared_ptr<Job> job, std::string id, int64_t created,
+                     SseWriter w) {
     res.set_header("Cache-Control", "no-cache");
+    auto started = std::make_shared<bool>(false);
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, job, mapper, id, created, include_usage, finish](size_t, httplib::DataSink& sink) {
+        [this, job, id, created, w, started](size_t, httplib::DataSink& sink) {
           auto write = [&](const std::string& s) {
             if (s.empty() || sink.write(s.data(), s.size())) return true;
             job->cancel.cancel();
             return false;
           };
+          if (!*started) {
+            *started = true;
+            if (w.preamble && !write(w.preamble())) return false;
+          }
           EngineEvent ev;
           bool timed_out = false;
           if (!job->next_for(ev, kKeepAlive, timed_out)) return timed_out ? write(": keep-alive\n\n") : false;
+          std::string last;
           switch (ev.kind) {
-            case EngineEvent::Kind::Tokens: {
-              auto d = mapper->push(ev.ids);
-              if (mapper->stopped()) job->cancel.cancel();
-              return d.content.empty() || write(sse_data(text_chunk(id, created, model_id, d.content)));
-            }
+            case EngineEvent::Kind::Tokens: return write(w.tokens(ev));
             case EngineEvent::Kind::Draft: return write(draft_event(id, created, ev));
-            case EngineEvent::Kind::Error: {
-              ApiError e(500, "server_error", "generation failed: " + ev.error);
-              if (!write(sse_data(error_body(e))) || !write(kSseDone)) return false;
-              sink.done();
-              return true;
-            }
-            case EngineEvent::Kind::Done: {
-              std::string out;
-              auto d = mapper->finish();
-              if (!d.content.empty()) out += sse_data(text_chunk(id, created, model_id, d.content));
-              out += sse_data(text_chunk(id, created, model_id, "", finish(ev)));
-              if (include_usage) out += sse_data(usage_chunk(id, created, model_id, "text_completion", make_usage(*job, ev)));
-              out += kSseDone;
-              if (!write(out)) return false;
-              sink.done();
-              return true;
-            }
+            case EngineEvent::Kind::Error:
+              last = sse_data(error_body(ApiError(500, "server_error", "generation failed: " + ev.error)));
+              break;
+            case EngineEvent::Kind::Done: last = w.done(ev); break;
           }
-          return false;
+          if (!write(last + kSseDone)) return false;
+          sink.done();
+          return true;
         },
         [job](bool success) {
           if (!success) job->cancel.cancel();

@@ -118,30 +118,10 @@ __global__ void route_top_k_warp_k(const float* logits, int T, int E, int k, con
   }
 }
 
-// Single block: counts, exclusive scan and row assignment.
-__global__ void moe_assign_k(const int32_t* idx, int P, int E, int32_t* offsets, int32_t* sorted_pos) {
-  extern __shared__ int cnt[];  // [E] counts, then cursors
-  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
-  __syncthreads();
-  for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&cnt[idx[i]], 1);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int run = 0;
-    for (int e = 0; e < E; ++e) {
-      const int c = cnt[e];
-      offsets[e] = run;
-      cnt[e] = run;
-      run += c;
-    }
-    offsets[E] = run;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < P; i += blockDim.x) sorted_pos[i] = atomicAdd(&cnt[idx[i]], 1);
-}
-
-// Padded grouping (moe_group_padded): expert e's first M pairs go to rows e M .. e M + M - 1, the rest ("overflow")
-// to rows from ovf[e] = E M + (overflow of the experts before e); ovf[E] = end of the overflow rows.
-__global__ void moe_assign_padded_k(const int32_t* idx, int P, int E, int M, int32_t* ovf, int32_t* sorted_pos) {
+// Single block: counts, exclusive scan and row assignment. Expert e's first M pairs go to rows e M .. e M + M - 1,
+// the rest ("overflow") to rows from ovf[e] = E M + (overflow of the experts before e); ovf[E] = end of the overflow
+// rows. M = 0 is the plain grouping: ovf is then the exclusive prefix of the counts (moe_group's offsets).
+__global__ void moe_assign_k(const int32_t* idx, int P, int E, int M, int32_t* ovf, int32_t* sorted_pos) {
   extern __shared__ int cnt[];  // [E] counts, then cursors
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
@@ -325,24 +305,19 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int32_t* offsets, int32_t* sorted_pos,
-               bf16* xs, cudaStream_t s) {
+void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int M, int32_t* ovf_offsets,
+                      int32_t* sorted_pos, bf16* xs, cudaStream_t s) {
   const int P = T * k;
-  moe_assign_k<<<1, 1024, size_t(E) * sizeof(int), s>>>(idx, P, E, offsets, sorted_pos);
+  moe_assign_k<<<1, 1024, size_t(E) * sizeof(int), s>>>(idx, P, E, M, ovf_offsets, sorted_pos);
   CUDA_CHECK_LAUNCH();
   if (P == 0) return;
   moe_gather_k<<<P, 128, 0, s>>>(sorted_pos, k, reinterpret_cast<const uint4*>(x), H / 8, reinterpret_cast<uint4*>(xs));
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int M, int32_t* ovf_offsets,
-                      int32_t* sorted_pos, bf16* xs, cudaStream_t s) {
-  const int P = T * k;
-  moe_assign_padded_k<<<1, 1024, size_t(E) * sizeof(int), s>>>(idx, P, E, M, ovf_offsets, sorted_pos);
-  CUDA_CHECK_LAUNCH();
-  if (P == 0) return;
-  moe_gather_k<<<P, 128, 0, s>>>(sorted_pos, k, reinterpret_cast<const uint4*>(x), H / 8, reinterpret_cast<uint4*>(xs));
-  CUDA_CHECK_LAUNCH();
+void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int32_t* offsets, int32_t* sorted_pos,
+               bf16* xs, cudaStream_t s) {
+  moe_group_padded(idx, T, k, E, x, H, /*M=*/0, offsets, sorted_pos, xs, s);
 }
 
 void moe_combine(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
