@@ -75,7 +75,7 @@ double median(std::vector<double> v) {
 }
 
 int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector<int> contexts,
-              std::vector<int> prefills, bool json, bool breakdown, bool no_graphs, bool padded_experts,
+              std::vector<int> prefills, bool json, bool breakdown, bool no_graphs, bool grouped_experts,
               int fixed_steps, int e2e_prompt, int e2e_tokens) {
   auto info = cuda::query_device(0);
   if (!info.available) fail("bench needs a CUDA GPU: {}", info.reason);
@@ -88,7 +88,7 @@ int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector
   CudaStageTimes stages;
   if (breakdown) opt.stage_times = &stages;
   opt.cuda_graphs = !no_graphs;
-  opt.padded_experts = padded_experts;
+  opt.padded_experts = !grouped_experts;
   std::unique_ptr<LoadedModel> model;
   std::unique_ptr<Backend> be;
   Timer timer;
@@ -114,7 +114,7 @@ int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector
   out["load_ms"] = load_ms;
   out["reps"] = reps;
   out["cuda_graphs"] = !no_graphs;
-  out["experts"] = padded_experts ? "padded strided-batched cuBLASLt (experimental)" : "grouped kernels";
+  out["experts"] = grouped_experts ? "grouped kernels" : "padded strided-batched cuBLASLt";
 
   // Prefill throughput from an empty cache (one untimed warm-up at the smallest size first).
   be->prefill(random_ids(std::min(512, prefills.empty() ? 512 : prefills[0])));
@@ -249,7 +249,7 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        auto json = std::make_shared<bool>(false);
                        auto breakdown = std::make_shared<bool>(false);
                        auto no_graphs = std::make_shared<bool>(false);
-                       auto padded = std::make_shared<bool>(false);
+                       auto grouped = std::make_shared<bool>(false);
                        auto fixed = std::make_shared<int>(16);
                        auto e2e_prompt = std::make_shared<int>(4096);
                        auto e2e_tokens = std::make_shared<int>(256);
@@ -269,12 +269,13 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                            ->check(CLI::PositiveNumber);
                        sub.add_option("--e2e-tokens", *e2e_tokens, "generated tokens of the end-to-end run")
                            ->check(CLI::PositiveNumber);
-                       sub.add_flag("--padded-experts", *padded,
-                                    "experiment: padded strided-batched expert GEMMs (CudaOptions::padded_experts)");
+                       sub.add_flag("--grouped-experts", *grouped,
+                                    "A/B: canvas passes through the grouped expert kernels instead of the padded "
+                                    "strided-batched GEMMs (CudaOptions::padded_experts = false)");
                        return [=]() -> int {
 #ifdef DIFFGEMMA_WITH_CUDA
                          return run_bench(*model, *seed, *reps, parse_sizes(*ctx), parse_sizes(*pre), *json,
-                                          *breakdown, *no_graphs, *padded, *fixed, *e2e_prompt, *e2e_tokens);
+                                          *breakdown, *no_graphs, *grouped, *fixed, *e2e_prompt, *e2e_tokens);
 #else
                          fail("diffgemma was built without CUDA: bench needs the CUDA backend");
 #endif

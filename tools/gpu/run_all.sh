@@ -40,15 +40,15 @@ if [ "${FULLSHAPE:-1}" = 1 ]; then
     --gtest_filter='CudaFullShape.*' >"$OUT/fullshape.log" 2>&1
   f_rc="$? (fixture script rc $g_rc)"
 fi
-# PADDED=1: the parity and full-shape tests again with CudaOptions::padded_experts on, and a second bench with
-# --padded-experts (the experimental expert path must pass them before it becomes the default).
+# GROUPED=1: the parity and full-shape tests again with CudaOptions::padded_experts off (the grouped expert kernels
+# on canvas passes too), and a second bench with --grouped-experts.
 pd_rc=skipped
-if [ "${PADDED:-0}" = 1 ]; then
-  DIFFGEMMA_TEST_PADDED_EXPERTS=1 DIFFGEMMA_FULLSHAPE_DIR="$FS_DIR" LD_LIBRARY_PATH="$LIBS" timeout 300 \
-    "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*:CudaFullShape.*:CudaKernels.MoePadded*' >"$OUT/padded.log" 2>&1
+if [ "${GROUPED:-0}" = 1 ]; then
+  DIFFGEMMA_TEST_GROUPED_EXPERTS=1 DIFFGEMMA_FULLSHAPE_DIR="$FS_DIR" LD_LIBRARY_PATH="$LIBS" timeout 300 \
+    "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*:CudaFullShape.*:CudaKernels.MoePadded*' >"$OUT/grouped.log" 2>&1
   pd_rc=$?
-  LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma" bench --padded-experts --json ${BENCH_ARGS:-} \
-    >"$OUT/bench_padded.json" 2>"$OUT/bench_padded.log"
+  LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma" bench --grouped-experts --json ${BENCH_ARGS:-} \
+    >"$OUT/bench_grouped.json" 2>"$OUT/bench_grouped.log"
 fi
 # BENCH_ARGS: extra bench flags, e.g. "--breakdown --prefill 4096" (per-stage CUDA-event times of a denoise step).
 LD_LIBRARY_PATH="$LIBS" timeout 400 "$DIST/diffgemma" bench --json ${BENCH_ARGS:-} >"$OUT/bench.json" 2>"$OUT/bench.log"
@@ -69,8 +69,8 @@ fi
   [ -f "$OUT/fullshape_fixture.log" ] && grep -E 'FAIL|WARN|agree|cosine|Error' "$OUT/fullshape_fixture.log" | tail -12
   [ -f "$OUT/fullshape.log" ] && grep -E '^\[fullshape\]|^\[  (FAILED|  OK|SKIPPED) \]|Failure' "$OUT/fullshape.log"
   echo "== bench (rc $b_rc)"; grep -v uploading "$OUT/bench.log"
-  echo "== padded experts: tests rc $pd_rc"
-  [ -f "$OUT/padded.log" ] && grep -E '^\[parity\]|^\[fullshape\] (nosc|sc|commit) |^\[  (FAILED|  OK) \]|Failure' "$OUT/padded.log" | head -60
-  [ -f "$OUT/bench_padded.log" ] && grep -v uploading "$OUT/bench_padded.log"
+  echo "== grouped experts: tests rc $pd_rc"
+  [ -f "$OUT/grouped.log" ] && grep -E '^\[parity\]|^\[fullshape\] (nosc|sc|commit) |^\[  (FAILED|  OK) \]|Failure' "$OUT/grouped.log" | head -60
+  [ -f "$OUT/bench_grouped.log" ] && grep -v uploading "$OUT/bench_grouped.log"
   echo "== hf (rc $h_rc)"; [ -f "$OUT/hf.log" ] && grep -E 'prefill_ms|step|fail|Error' "$OUT/hf.log" | tail -20
 } | tee -a "$OUT/summary.txt"

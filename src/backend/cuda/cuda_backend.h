@@ -35,13 +35,12 @@ struct CudaOptions {
   // Replay a denoise step's decoder layers as one CUDA graph (captured per canvas length and kv length); off runs
   // the same launches eagerly (A/B in `diffgemma bench --no-graphs`).
   bool cuda_graphs = true;
-  // Canvas-sized passes run the experts as two strided-batched cuBLASLt GEMMs over every expert padded to
-  // 2 x mean rows (moe_group_padded; rows past that through the grouped kernels). Off by default until verified:
-  // on the H200 (docs/BENCHMARKS.md 2026-11-30) it cut the 4K step from ~22 to 20.1 ms, but that first version
-  // rounded gate/up to bf16 before the activation and failed two CUDA-vs-CPU parity checks (tiny-a KV 0.10 > 0.02,
-  // tiny-c generation one step shorter); this version keeps gate/up in f32 like the grouped kernels and has not
-  // run on a GPU yet. A/B: `diffgemma bench --padded-experts`.
-  bool padded_experts = false;
+  // Canvas-sized passes (denoise, commit) run the experts as two strided-batched cuBLASLt GEMMs over every expert
+  // padded to 2 x mean rows (moe_group_padded; rows past that through the grouped kernels), gate/up kept in f32
+  // before the activation exactly as the grouped kernels do. On the H200 (docs/BENCHMARKS.md 2026-11-30) it cuts the
+  // 4K step from 21.8 to 20.4 ms and passes the same parity checks. Off: the grouped kernels for every pass
+  // (A/B: `diffgemma bench --grouped-experts`). Prefill chunks always use the grouped kernels.
+  bool padded_experts = true;
 };
 
 // `model` must outlive the backend; its weights are uploaded once (as bf16) and not read again.
