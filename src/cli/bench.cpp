@@ -18,12 +18,28 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_device.h"
+#include "backend/cuda/gemm.h"
 #include "diffusion/generate.h"
 #include "model/weights.h"
 #endif
 
 namespace dg::cli {
 namespace {
+
+struct BenchArgs {
+  std::string model_dir;  // empty: synthetic full-size weights
+  uint64_t seed = 1;
+  int reps = 10;
+  std::string contexts = "512,4096,32768", prefills = "4096,32768";
+  bool json = false, breakdown = false, no_graphs = false, grouped_experts = false, tune_gemm = false;
+  int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
+};
+
+std::vector<int> parse_sizes(const std::string& s) {
+  std::vector<int> v;
+  for (int32_t x : parse_id_list(s, "size list")) v.push_back(int(x));
+  return v;
+}
 
 #ifdef DIFFGEMMA_WITH_CUDA
 // google/diffusiongemma-26B-A4B-it text config (model-reference §1).
@@ -74,9 +90,16 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector<int> contexts,
-              std::vector<int> prefills, bool json, bool breakdown, bool no_graphs, bool grouped_experts,
-              int fixed_steps, int e2e_prompt, int e2e_tokens) {
+int run_bench(const BenchArgs& args) {
+  const std::string& model_dir = args.model_dir;
+  const uint64_t seed = args.seed;
+  const int reps = args.reps, fixed_steps = args.fixed_steps, e2e_prompt = args.e2e_prompt;
+  const int e2e_tokens = args.e2e_tokens;
+  const bool json = args.json, breakdown = args.breakdown, grouped_experts = args.grouped_experts;
+  // GEMM tuning times cuBLASLt candidates at each shape's first call, which cannot happen inside a graph capture.
+  const bool no_graphs = args.no_graphs || args.tune_gemm;
+  const std::vector<int> contexts = parse_sizes(args.contexts), prefills = parse_sizes(args.prefills);
+  cuda::set_gemm_tuning(args.tune_gemm);
   auto info = cuda::query_device(0);
   if (!info.available) fail("bench needs a CUDA GPU: {}", info.reason);
   int max_ctx = 0;
@@ -206,6 +229,15 @@ int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector
                  e2e_tokens / (ms / 1e3));
   }
 
+  if (args.tune_gemm) {  // one line per shape, deduplicated, ready for src/backend/cuda/gemm_tuned.inc
+    std::vector<std::string> lines = cuda::gemm_tune_report();
+    std::sort(lines.begin(), lines.end());
+    lines.erase(std::unique(lines.begin(), lines.end()), lines.end());
+    out["gemm_tuning"] = lines;
+    std::fprintf(stderr, "GEMM tuning (%s; for src/backend/cuda/gemm_tuned.inc):\n", info.name.c_str());
+    for (auto& l : lines) std::fprintf(stderr, "%s\n", l.c_str());
+  }
+
   if (json) {
     std::printf("%s\n", out.dump(2).c_str());
   } else {
@@ -233,49 +265,34 @@ int run_bench(const std::string& model_dir, uint64_t seed, int reps, std::vector
 }
 #endif
 
-std::vector<int> parse_sizes(const std::string& s) {
-  std::vector<int> v;
-  for (int32_t x : parse_id_list(s, "size list")) v.push_back(int(x));
-  return v;
-}
-
 CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthetic full-size weights or -m DIR)",
                      [](CLI::App& sub) -> Action {
-                       auto model = std::make_shared<std::string>();
-                       auto seed = std::make_shared<uint64_t>(1);
-                       auto reps = std::make_shared<int>(10);
-                       auto ctx = std::make_shared<std::string>("512,4096,32768");
-                       auto pre = std::make_shared<std::string>("4096,32768");
-                       auto json = std::make_shared<bool>(false);
-                       auto breakdown = std::make_shared<bool>(false);
-                       auto no_graphs = std::make_shared<bool>(false);
-                       auto grouped = std::make_shared<bool>(false);
-                       auto fixed = std::make_shared<int>(16);
-                       auto e2e_prompt = std::make_shared<int>(4096);
-                       auto e2e_tokens = std::make_shared<int>(256);
-                       sub.add_option("-m,--model", *model, "checkpoint directory (default: synthetic weights)");
-                       sub.add_option("--seed", *seed, "seed of the synthetic weights and inputs");
-                       sub.add_option("--reps", *reps, "timed denoise steps per context (median reported)");
-                       sub.add_option("--contexts", *ctx, "KV lengths for the denoise timing, comma-separated");
-                       sub.add_option("--prefill", *pre, "prefill sizes, comma-separated");
-                       sub.add_flag("--json", *json, "print JSON instead of tables");
-                       sub.add_flag("--breakdown", *breakdown,
+                       auto a = std::make_shared<BenchArgs>();
+                       sub.add_option("-m,--model", a->model_dir, "checkpoint directory (default: synthetic weights)");
+                       sub.add_option("--seed", a->seed, "seed of the synthetic weights and inputs");
+                       sub.add_option("--reps", a->reps, "timed denoise steps per context (median reported)");
+                       sub.add_option("--contexts", a->contexts, "KV lengths for the denoise timing, comma-separated");
+                       sub.add_option("--prefill", a->prefills, "prefill sizes, comma-separated");
+                       sub.add_flag("--json", a->json, "print JSON instead of tables");
+                       sub.add_flag("--breakdown", a->breakdown,
                                     "also time each stage of a denoise step (CUDA events, summed over layers)");
-                       sub.add_flag("--no-graphs", *no_graphs, "launch the decoder layers eagerly (no CUDA graph)");
-                       sub.add_option("--fixed-steps", *fixed,
+                       sub.add_flag("--no-graphs", a->no_graphs, "launch the decoder layers eagerly (no CUDA graph)");
+                       sub.add_option("--fixed-steps", a->fixed_steps,
                                       "end-to-end run with exactly this many denoise steps per canvas (0: skip)")
                            ->check(CLI::NonNegativeNumber);
-                       sub.add_option("--e2e-prompt", *e2e_prompt, "prompt tokens of the end-to-end run")
+                       sub.add_option("--e2e-prompt", a->e2e_prompt, "prompt tokens of the end-to-end run")
                            ->check(CLI::PositiveNumber);
-                       sub.add_option("--e2e-tokens", *e2e_tokens, "generated tokens of the end-to-end run")
+                       sub.add_option("--e2e-tokens", a->e2e_tokens, "generated tokens of the end-to-end run")
                            ->check(CLI::PositiveNumber);
-                       sub.add_flag("--grouped-experts", *grouped,
+                       sub.add_flag("--grouped-experts", a->grouped_experts,
                                     "A/B: canvas passes through the grouped expert kernels instead of the padded "
                                     "strided-batched GEMMs (CudaOptions::padded_experts = false)");
+                       sub.add_flag("--tune-gemm", a->tune_gemm,
+                                    "time every cuBLASLt candidate of each GEMM shape (graphs off) and print the "
+                                    "fastest as lines for src/backend/cuda/gemm_tuned.inc");
                        return [=]() -> int {
 #ifdef DIFFGEMMA_WITH_CUDA
-                         return run_bench(*model, *seed, *reps, parse_sizes(*ctx), parse_sizes(*pre), *json,
-                                          *breakdown, *no_graphs, *grouped, *fixed, *e2e_prompt, *e2e_tokens);
+                         return run_bench(*a);
 #else
                          fail("diffgemma was built without CUDA: bench needs the CUDA backend");
 #endif

@@ -68,6 +68,9 @@ class CudaBackend final : public Backend {
       : model_(model), cfg_(cfg), opt_(opt) {
     CUDA_CHECK(cudaSetDevice(opt.device));
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     tm_ = std::max(opt.prefill_chunk, cfg_.canvas_length);
     if (opt.sliding_rewind < 0) fail("CudaOptions::sliding_rewind must be >= 0");
     if (cfg_.hidden_size % 8 || cfg_.moe_intermediate_size % 8 || cfg_.intermediate_size % 8)
@@ -88,6 +91,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
     layout(arena_);
     gemm_ = std::make_unique<cuda::Gemm>();
+    gemm_side_ = std::make_unique<cuda::Gemm>();  // its own workspace: runs concurrently with gemm_
     CUDA_CHECK(cudaMallocHost(&host_ids_, size_t(tm_) * sizeof(int32_t)));
     CUDA_CHECK(cudaMallocHost(&host_stats_, size_t(cfg_.canvas_length) * sizeof(cuda::DeviceRowStats)));
     if (model_)
@@ -101,6 +105,10 @@ class CudaBackend final : public Backend {
     for (auto ev : events_) cudaEventDestroy(ev);
     if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
     gemm_.reset();
+    gemm_side_.reset();
+    cudaEventDestroy(fork_);
+    cudaEventDestroy(join_);
+    cudaStreamDestroy(side_);
     cudaFree(arena_.base);
     cudaFreeHost(host_ids_);
     cudaFreeHost(host_stats_);
@@ -359,11 +367,15 @@ class CudaBackend final : public Backend {
                          stream_);
   }
 
-  // y = down(gelu_tanh(gate x) * up x), gate and up stacked in one [2I, H] weight.
+  // y = down(gelu_tanh(gate x) * up x), gate and up stacked in one [2I, H] weight; on stream st with gemm g.
   void gated_mlp(const bf16* x, int T, const bf16* gu, const bf16* down, int I, bf16* y) {
-    gemm_->linear(x, Dt::BF16, T, gu, Dt::BF16, 2 * I, cfg_.hidden_size, s_.gu, Dt::BF16, stream_);
-    cuda::gelu_mul(s_.gu, T, I, s_.actd, stream_);
-    gemm_->linear(s_.actd, Dt::BF16, T, down, Dt::BF16, cfg_.hidden_size, I, y, Dt::BF16, stream_);
+    gated_mlp_on(*gemm_, stream_, x, T, gu, down, I, y);
+  }
+  void gated_mlp_on(cuda::Gemm& g, cudaStream_t st, const bf16* x, int T, const bf16* gu, const bf16* down, int I,
+                    bf16* y) {
+    g.linear(x, Dt::BF16, T, gu, Dt::BF16, 2 * I, cfg_.hidden_size, s_.gu, Dt::BF16, st);
+    cuda::gelu_mul(s_.gu, T, I, s_.actd, st);
+    g.linear(s_.actd, Dt::BF16, T, down, Dt::BF16, cfg_.hidden_size, I, y, Dt::BF16, st);
   }
 
   void layer(int l, Pass pass, int T) {
@@ -397,7 +409,18 @@ class CudaBackend final : public Backend {
     mark(kStOProj);
 
     cuda::pre_ffn(s_.h, T, H, L.pre_ff, L.pre_ff2, L.router_scale, eps, s_.x1, s_.xe, s_.xr, stream_);
-    gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
+    // The dense MLP (compute-bound) and the router + experts (latency- then bandwidth-bound) are independent until
+    // the combine: the dense MLP runs on a side stream (fork/join events, captured into the graph as parallel
+    // branches). Stage-timed, traced and GEMM-tuning passes keep one stream so their times stay attributable.
+    const bool overlap = !timing_ && !trace_ && !cuda::gemm_tuning();
+    if (overlap) {
+      CUDA_CHECK(cudaEventRecord(fork_, stream_));
+      CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
+      gated_mlp_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
+      CUDA_CHECK(cudaEventRecord(join_, side_));
+    } else {
+      gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
+    }
     mark(kStDenseMlp);
     gemm_->linear(s_.xr, Dt::F32, T, L.router_w, Dt::F32, E, H, s_.rl, Dt::F32, stream_);
     cuda::route_top_k(s_.rl, T, E, K, L.pes, s_.idx, s_.wk, stream_);
@@ -434,6 +457,7 @@ class CudaBackend final : public Backend {
       cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, stream_);
       mark(kStDown);
     }
+    if (overlap) CUDA_CHECK(cudaStreamWaitEvent(stream_, join_));
     cuda::moe_combine_ffn(s_.y, s_.idx, s_.wk, s_.sorted_pos, T, K, s_.h, s_.m1, H, L.post_ff1, L.post_ff2,
                           L.post_ff, eps, pass == Pass::Encoder ? L.enc_scalar : L.dec_scalar, stream_);
     mark(kStCombine);
@@ -644,9 +668,11 @@ class CudaBackend final : public Backend {
   ModelConfig cfg_;
   CudaOptions opt_;
   cudaStream_t stream_ = nullptr;
+  cudaStream_t side_ = nullptr;  // the dense MLP's branch of a layer (layer())
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
   int tm_ = 0;
   Arena arena_;
-  std::unique_ptr<cuda::Gemm> gemm_;
+  std::unique_ptr<cuda::Gemm> gemm_, gemm_side_;
   bf16 *embed_ = nullptr, *sc_gu_ = nullptr, *sc_down_ = nullptr;
   float *final_norm_ = nullptr, *sc_pre_norm_ = nullptr;
   std::vector<DevLayer> layers_;

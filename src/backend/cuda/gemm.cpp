@@ -1,15 +1,71 @@
 #include "backend/cuda/gemm.h"
 
+#include <algorithm>
+#include <array>
+#include <cstdio>
+
 #include "backend/cuda/cuda_check.h"
 #include "util/error.h"
 
 namespace dg::cuda {
+namespace {
 
-static cudaDataType_t cuda_type(Dt t) { return t == Dt::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
+cudaDataType_t cuda_type(Dt t) { return t == Dt::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+// An algorithm's configuration: id, tile, split-K, reduction scheme, CTA swizzle, custom option, stages, inner
+// shape, cluster shape (the CUBLASLT_ALGO_CONFIG_* attributes 0..8).
+using AlgoConfig = std::array<int64_t, 9>;
+
+AlgoConfig config_of(const cublasLtMatmulAlgo_t& algo) {
+  AlgoConfig c{};
+  for (int a = 0; a < 9; ++a) {
+    uint64_t v = 0;  // every attribute is an integer of at most 8 bytes, little endian
+    size_t written = 0;
+    const size_t size = a == 0 || a == 2 ? 4 : a >= 7 ? 2 : 4;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, cublasLtMatmulAlgoConfigAttributes_t(a), &v, size, &written) !=
+        CUBLAS_STATUS_SUCCESS)
+      v = 0;
+    c[size_t(a)] = a == 0 || a == 2 ? int64_t(int32_t(uint32_t(v))) : int64_t(v);
+  }
+  return c;
+}
+
+struct TunedEntry {
+  int sm;
+  bool transa;
+  int m, n, k, at, bt, ct, batch;
+  AlgoConfig config;
+};
+const std::vector<TunedEntry> kTuned = {
+#include "backend/cuda/gemm_tuned.inc"
+};
+
+bool g_tuning = false;
+std::vector<std::string>& report() {
+  static std::vector<std::string> r;
+  return r;
+}
+
+std::string config_text(const AlgoConfig& c) {
+  std::string t = "{";
+  for (size_t i = 0; i < c.size(); ++i) t += (i ? ", " : "") + std::to_string(c[i]);
+  return t + "}";
+}
+
+}  // namespace
+
+void set_gemm_tuning(bool on) { g_tuning = on; }
+bool gemm_tuning() { return g_tuning; }
+const std::vector<std::string>& gemm_tune_report() { return report(); }
 
 Gemm::Gemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
   CUBLAS_CHECK(cublasLtCreate(&handle_));
   CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+  int dev = 0, major = 0, minor = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  sm_ = major * 10 + minor;
 }
 
 Gemm::~Gemm() {
@@ -45,45 +101,107 @@ void Gemm::run(bool transa, int m, int n, int k, const void* A, Dt at, int lda, 
   if (m == 0 || n == 0 || batch == 0) return;
   Key key{transa, m, n, k, int(at), int(bt), int(ct), batch};
   auto it = plans_.find(key);
-  if (it == plans_.end()) {
-    Plan p;
-    const bool all_f32 = at == Dt::F32 && bt == Dt::F32;
-    // f32 operands (the router) use true f32 arithmetic: routing near-ties must not flip on TF32 rounding.
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N, tb = CUBLAS_OP_N;
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, cuda_type(at), transa ? k : m, transa ? m : k, lda));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, cuda_type(bt), k, n, ldb));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, cuda_type(ct), m, n, ldc));
-    if (batch > 1) {  // densely packed operands: A_b at b m k, B_b at b k n, C_b at b m n
-      const int32_t count = batch;
-      const int64_t strides[3] = {int64_t(m) * k, int64_t(k) * n, int64_t(m) * n};
-      const cublasLtMatrixLayout_t layouts[3] = {p.a, p.b, p.c};
-      for (int i = 0; i < 3; ++i) {
-        CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
-                                                      sizeof count));
-        CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                                                      &strides[i], sizeof strides[i]));
-      }
-    }
-    cublasLtMatmulPreference_t pref;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                      &workspace_bytes_, sizeof workspace_bytes_));
-    cublasLtMatmulHeuristicResult_t res{};
-    int found = 0;
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, 1, &res, &found));
-    cublasLtMatmulPreferenceDestroy(pref);
-    if (found == 0)
-      fail("cuBLASLt found no algorithm for a {}x{}x{} GEMM ({} operands)", m, n, k, all_f32 ? "f32" : "bf16");
-    p.algo = res.algo;
-    it = plans_.emplace(key, p).first;
-  }
+  if (it == plans_.end())
+    it = plans_.emplace(key, make_plan(transa, m, n, k, at, bt, ct, lda, ldb, ldc, batch, A, B, C, s)).first;
   const float alpha = 1.0f, beta = 0.0f;
   Plan& p = it->second;
   CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.c, C, p.c, &p.algo, workspace_,
                               workspace_bytes_, s));
+}
+
+Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct, int lda, int ldb,
+                           int ldc, int batch, const void* A, const void* B, void* C, cudaStream_t s) {
+  Plan p;
+  const bool all_f32 = at == Dt::F32 && bt == Dt::F32;
+  // f32 operands (the router) use true f32 arithmetic: routing near-ties must not flip on TF32 rounding.
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N, tb = CUBLAS_OP_N;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, cuda_type(at), transa ? k : m, transa ? m : k, lda));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, cuda_type(bt), k, n, ldb));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, cuda_type(ct), m, n, ldc));
+  if (batch > 1) {  // densely packed operands: A_b at b m k, B_b at b k n, C_b at b m n
+    const int32_t count = batch;
+    const int64_t strides[3] = {int64_t(m) * k, int64_t(k) * n, int64_t(m) * n};
+    const cublasLtMatrixLayout_t layouts[3] = {p.a, p.b, p.c};
+    for (int i = 0; i < 3; ++i) {
+      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                                    sizeof count));
+      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                    &strides[i], sizeof strides[i]));
+    }
+  }
+  cublasLtMatmulPreference_t pref;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
+                                                    sizeof workspace_bytes_));
+  constexpr int kCandidates = 32;
+  std::vector<cublasLtMatmulHeuristicResult_t> res(kCandidates);
+  int found = 0;
+  CUBLAS_CHECK(
+      cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, kCandidates, res.data(), &found));
+  cublasLtMatmulPreferenceDestroy(pref);
+  // Precision policy: partial sums of a split-K product are added in f32, never in a bf16 output.
+  std::vector<int> ok;
+  for (int i = 0; i < found; ++i) {
+    if (res[size_t(i)].state != CUBLAS_STATUS_SUCCESS) continue;
+    const AlgoConfig c = config_of(res[size_t(i)].algo);
+    if (ct == Dt::BF16 && c[2] > 1 && c[3] != CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) continue;
+    ok.push_back(i);
+  }
+  if (ok.empty())
+    fail("cuBLASLt found no algorithm for a {}x{}x{} GEMM ({} operands)", m, n, k, all_f32 ? "f32" : "bf16");
+  int pick = ok[0];
+  for (const TunedEntry& t : kTuned) {
+    if (t.sm != sm_ || t.transa != transa || t.m != m || t.n != n || t.k != k || t.at != int(at) ||
+        t.bt != int(bt) || t.ct != int(ct) || t.batch != batch)
+      continue;
+    for (int i : ok)
+      if (config_of(res[size_t(i)].algo) == t.config) pick = i;
+  }
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
+  if (g_tuning && capturing == cudaStreamCaptureStatusNone) {
+    // Time every acceptable candidate on the real operands (best of 3 rounds of 10 calls, after 2 warm-ups).
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    const float alpha = 1.0f, beta = 0.0f;
+    std::vector<float> us(size_t(found), 1e30f);
+    for (int i : ok) {
+      auto call = [&] {
+        return cublasLtMatmul(handle_, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.c, C, p.c, &res[size_t(i)].algo,
+                              workspace_, workspace_bytes_, s);
+      };
+      if (call() != CUBLAS_STATUS_SUCCESS || call() != CUBLAS_STATUS_SUCCESS) continue;
+      for (int round = 0; round < 3; ++round) {
+        CUDA_CHECK(cudaEventRecord(e0, s));
+        for (int r = 0; r < 10; ++r) CUBLAS_CHECK(call());
+        CUDA_CHECK(cudaEventRecord(e1, s));
+        CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        us[size_t(i)] = std::min(us[size_t(i)], ms * 100.0f);
+      }
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    int best = ok[0];
+    for (int i : ok)
+      if (us[size_t(i)] < us[size_t(best)]) best = i;
+    char line[512];
+    std::snprintf(line, sizeof line,
+                  "{%d, %s, %d, %d, %d, %d, %d, %d, %d, %s},  // heuristic first %.1f us, table %.1f us, best %.1f "
+                  "us (candidate %d of %zu)",
+                  sm_, transa ? "true" : "false", m, n, k, int(at), int(bt), int(ct), batch,
+                  config_text(config_of(res[size_t(best)].algo)).c_str(), double(us[size_t(ok[0])]),
+                  double(us[size_t(pick)]), double(us[size_t(best)]), best, ok.size());
+    report().push_back(line);
+    pick = best;
+  }
+  p.algo = res[size_t(pick)].algo;
+  return p;
 }
 
 }  // namespace dg::cuda

@@ -1,16 +1,32 @@
 #pragma once
-// cuBLASLt GEMMs in the two shapes the model needs, bf16 (or f32) operands with f32 accumulation. Descriptors and
-// the heuristic's algorithm are cached per shape, so the step loop does no allocation and no heuristic search.
+// cuBLASLt GEMMs in the shapes the model needs, bf16 (or f32) operands with f32 accumulation. Descriptors and the
+// chosen algorithm are cached per shape, so the step loop does no allocation and no heuristic search.
+//
+// Which algorithm: cuBLASLt's heuristic ranks candidates for a shape, but at our small-M shapes (256 canvas rows)
+// its first pick is often not the fastest (e.g. too few tiles to fill 132 SMs without split-K). `gemm_tuned.inc`
+// pins, per GPU architecture and shape, the configuration (algo id, tile, split-K, reduction, swizzle, stages,
+// cluster) measured fastest by `diffgemma bench --tune-gemm`; it is chosen among the heuristic's candidates by
+// matching that configuration, so a fixed table gives a fixed algorithm (deterministic results from run to run),
+// and a shape or GPU not in the table falls back to the heuristic's first pick. Split-K candidates whose partial
+// sums would be reduced in bf16 are never used (precision policy: accumulation in f32).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <map>
+#include <string>
 #include <tuple>
+#include <vector>
 
 namespace dg::cuda {
 
 enum class Dt { BF16, F32 };
+
+// Tuning mode (`diffgemma bench --tune-gemm`): every new plan times all acceptable candidates on its first call (it
+// synchronizes the stream; never during stream capture) and keeps the fastest; one report line per shape.
+void set_gemm_tuning(bool on);
+bool gemm_tuning();
+const std::vector<std::string>& gemm_tune_report();
 
 class Gemm {
  public:
@@ -38,7 +54,10 @@ class Gemm {
   using Key = std::tuple<bool, int, int, int, int, int, int, int>;
   void run(bool transa, int m, int n, int k, const void* A, Dt at, int lda, const void* B, Dt bt, int ldb, void* C,
            Dt ct, int ldc, cudaStream_t s, int batch = 1);
+  Plan make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct, int lda, int ldb, int ldc,
+                 int batch, const void* A, const void* B, void* C, cudaStream_t s);
   cublasLtHandle_t handle_ = nullptr;
+  int sm_ = 0;  // compute capability major * 10 + minor (the tuned table's architecture key)
   void* workspace_ = nullptr;
   size_t workspace_bytes_;
   std::map<Key, Plan> plans_;
