@@ -50,6 +50,14 @@ if [ "${GROUPED:-0}" = 1 ]; then
   LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma" bench --grouped-experts --json ${BENCH_ARGS:-} \
     >"$OUT/bench_grouped.json" 2>"$OUT/bench_grouped.log"
 fi
+# TUNE=1: time every cuBLASLt candidate of each GEMM shape first (bench --tune-gemm, graphs off); the summary lists
+# the fastest configurations as lines for src/backend/cuda/gemm_tuned.inc.
+t_rc=skipped
+if [ "${TUNE:-0}" = 1 ]; then
+  LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma" bench --tune-gemm --contexts 512 --prefill 4096 \
+    --fixed-steps 0 --reps 2 --json >"$OUT/gemm_tune.json" 2>"$OUT/gemm_tune.log"
+  t_rc=$?
+fi
 # BENCH_ARGS: extra bench flags, e.g. "--breakdown --prefill 4096" (per-stage CUDA-event times of a denoise step).
 LD_LIBRARY_PATH="$LIBS" timeout 400 "$DIST/diffgemma" bench --json ${BENCH_ARGS:-} >"$OUT/bench.json" 2>"$OUT/bench.log"
 b_rc=$?
@@ -72,5 +80,9 @@ fi
   echo "== grouped experts: tests rc $pd_rc"
   [ -f "$OUT/grouped.log" ] && grep -E '^\[parity\]|^\[fullshape\] (nosc|sc|commit) |^\[  (FAILED|  OK) \]|Failure' "$OUT/grouped.log" | head -60
   [ -f "$OUT/bench_grouped.log" ] && grep -v uploading "$OUT/bench_grouped.log"
+  echo "== gemm tuning (rc $t_rc)"; [ -f "$OUT/gemm_tune.log" ] && grep -E '^\{|GEMM tuning' "$OUT/gemm_tune.log"
   echo "== hf (rc $h_rc)"; [ -f "$OUT/hf.log" ] && grep -E 'prefill_ms|step|fail|Error' "$OUT/hf.log" | tail -20
 } | tee -a "$OUT/summary.txt"
+# A device call returns at most 8 files: everything but the summary and the bench JSON goes into one archive.
+(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude=summary.txt --exclude=bench.json ./* && \
+  find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.txt ! -name bench.json -delete)
