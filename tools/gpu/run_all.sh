@@ -3,7 +3,7 @@
 # size (synthetic weights), optionally HF transformers on the same shapes. Logs go under $OUT; a short table last.
 # Build and pack here first (tools/gpu/package.sh), then run with build-gpu-dist carried:
 #   run(command="bash tools/gpu/run_all.sh", carry=["build-gpu-dist"])
-# HF=1 also times transformers (tools/reference/bench_hf.py, ~5 minutes). FULLSHAPE=0 skips the full-shape CUDA-vs-HF
+# HF=1 also times transformers (tools/reference/bench_hf.py, ~5 minutes; HF_ARGS, default --skip-32k). FULLSHAPE=0 skips the full-shape CUDA-vs-HF
 # check (tools/reference/make_fullshape_fixture.py builds its ~5 GB checkpoint under /tmp in ~2 minutes, in the
 # background while the kernel and parity tests run; never commit it).
 set -uo pipefail
@@ -63,7 +63,8 @@ LD_LIBRARY_PATH="$LIBS" timeout 400 "$DIST/diffgemma" bench --json ${BENCH_ARGS:
 b_rc=$?
 h_rc=skipped
 if [ "${HF:-0}" = 1 ]; then
-  PYTHONUNBUFFERED=1 timeout "${HF_TIMEOUT:-300}" python3 tools/reference/bench_hf.py >"$OUT/hf.log" 2>&1
+  PYTHONUNBUFFERED=1 timeout "${HF_TIMEOUT:-300}" python3 tools/reference/bench_hf.py --json "$OUT/hf_bench.json" ${HF_ARGS:---skip-32k} \
+    >"$OUT/hf.log" 2>&1
   h_rc=$?
 fi
 
@@ -84,5 +85,6 @@ fi
   echo "== hf (rc $h_rc)"; [ -f "$OUT/hf.log" ] && grep -E 'prefill_ms|step|fail|Error' "$OUT/hf.log" | tail -20
 } | tee -a "$OUT/summary.txt"
 # A device call returns at most 8 files: everything but the summary and the bench JSON goes into one archive.
-(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude=summary.txt --exclude=bench.json ./* && \
-  find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.txt ! -name bench.json -delete)
+(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude=summary.txt --exclude=bench.json \
+  --exclude=hf_bench.json ./* && \
+  find . -maxdepth 1 -type f ! -name logs.tgz ! -name summary.txt ! -name bench.json ! -name hf_bench.json -delete)
