@@ -32,6 +32,8 @@ struct BenchArgs {
   int reps = 10;
   std::string contexts = "512,4096,32768", prefills = "4096,32768";
   bool json = false, breakdown = false, no_graphs = false, grouped_experts = false, tune_gemm = false;
+  bool no_overlap = false;
+  int dense_mlp_sms = 0;
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
 };
 
@@ -112,6 +114,8 @@ int run_bench(const BenchArgs& args) {
   if (breakdown) opt.stage_times = &stages;
   opt.cuda_graphs = !no_graphs;
   opt.padded_experts = !grouped_experts;
+  opt.overlap_dense_mlp = !args.no_overlap;
+  opt.dense_mlp_sms = args.dense_mlp_sms;
   std::unique_ptr<LoadedModel> model;
   std::unique_ptr<Backend> be;
   Timer timer;
@@ -137,6 +141,8 @@ int run_bench(const BenchArgs& args) {
   out["load_ms"] = load_ms;
   out["reps"] = reps;
   out["cuda_graphs"] = !no_graphs;
+  out["overlap_dense_mlp"] = !args.no_overlap;
+  out["dense_mlp_sms"] = args.dense_mlp_sms;
   out["experts"] = grouped_experts ? "grouped kernels" : "padded strided-batched cuBLASLt";
 
   // Prefill throughput from an empty cache (one untimed warm-up at the smallest size first).
@@ -287,6 +293,11 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--grouped-experts", a->grouped_experts,
                                     "A/B: canvas passes through the grouped expert kernels instead of the padded "
                                     "strided-batched GEMMs (CudaOptions::padded_experts = false)");
+                       sub.add_flag("--no-overlap", a->no_overlap,
+                                    "A/B: the dense MLP on the main stream (CudaOptions::overlap_dense_mlp = false)");
+                       sub.add_option("--dense-mlp-sms", a->dense_mlp_sms,
+                                      "plan the concurrent dense MLP's GEMMs for this many SMs (0: all)")
+                           ->check(CLI::NonNegativeNumber);
                        sub.add_flag("--tune-gemm", a->tune_gemm,
                                     "time every cuBLASLt candidate of each GEMM shape (graphs off) and print the "
                                     "fastest as lines for src/backend/cuda/gemm_tuned.inc");

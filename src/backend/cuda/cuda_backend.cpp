@@ -91,7 +91,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
     layout(arena_);
     gemm_ = std::make_unique<cuda::Gemm>();
-    gemm_side_ = std::make_unique<cuda::Gemm>();  // its own workspace: runs concurrently with gemm_
+    // its own workspace: runs concurrently with gemm_
+    gemm_side_ = std::make_unique<cuda::Gemm>(size_t(64) << 20, opt_.dense_mlp_sms);
     CUDA_CHECK(cudaMallocHost(&host_ids_, size_t(tm_) * sizeof(int32_t)));
     CUDA_CHECK(cudaMallocHost(&host_stats_, size_t(cfg_.canvas_length) * sizeof(cuda::DeviceRowStats)));
     if (model_)
@@ -412,7 +413,7 @@ class CudaBackend final : public Backend {
     // The dense MLP (compute-bound) and the router + experts (latency- then bandwidth-bound) are independent until
     // the combine: the dense MLP runs on a side stream (fork/join events, captured into the graph as parallel
     // branches). Stage-timed, traced and GEMM-tuning passes keep one stream so their times stay attributable.
-    const bool overlap = !timing_ && !trace_ && !cuda::gemm_tuning();
+    const bool overlap = opt_.overlap_dense_mlp && !timing_ && !trace_ && !cuda::gemm_tuning();
     if (overlap) {
       CUDA_CHECK(cudaEventRecord(fork_, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));

@@ -58,7 +58,8 @@ void set_gemm_tuning(bool on) { g_tuning = on; }
 bool gemm_tuning() { return g_tuning; }
 const std::vector<std::string>& gemm_tune_report() { return report(); }
 
-Gemm::Gemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
+Gemm::Gemm(size_t workspace_bytes, int sm_count_target)
+    : workspace_bytes_(workspace_bytes), sm_count_target_(sm_count_target) {
   CUBLAS_CHECK(cublasLtCreate(&handle_));
   CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
   int dev = 0, major = 0, minor = 0;
@@ -118,6 +119,10 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
   cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N, tb = CUBLAS_OP_N;
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  if (sm_count_target_ > 0) {
+    const int32_t sms = sm_count_target_;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof sms));
+  }
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, cuda_type(at), transa ? k : m, transa ? m : k, lda));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, cuda_type(bt), k, n, ldb));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, cuda_type(ct), m, n, ldc));

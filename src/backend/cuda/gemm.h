@@ -30,7 +30,9 @@ const std::vector<std::string>& gemm_tune_report();
 
 class Gemm {
  public:
-  explicit Gemm(size_t workspace_bytes = size_t(64) << 20);
+  // sm_count_target > 0: plans are chosen for that many SMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), for GEMMs that
+  // run concurrently with other work on the remaining SMs.
+  explicit Gemm(size_t workspace_bytes = size_t(64) << 20, int sm_count_target = 0);
   ~Gemm();
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
@@ -57,6 +59,7 @@ class Gemm {
   Plan make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct, int lda, int ldb, int ldc,
                  int batch, const void* A, const void* B, void* C, cudaStream_t s);
   cublasLtHandle_t handle_ = nullptr;
+  int sm_count_target_ = 0;
   int sm_ = 0;  // compute capability major * 10 + minor (the tuned table's architecture key)
   void* workspace_ = nullptr;
   size_t workspace_bytes_;
