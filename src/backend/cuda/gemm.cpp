@@ -59,7 +59,7 @@ bool gemm_tuning() { return g_tuning; }
 const std::vector<std::string>& gemm_tune_report() { return report(); }
 
 Gemm::Gemm(size_t workspace_bytes, int sm_count_target)
-    : workspace_bytes_(workspace_bytes), sm_count_target_(sm_count_target) {
+    : sm_count_target_(sm_count_target), workspace_bytes_(workspace_bytes) {
   CUBLAS_CHECK(cublasLtCreate(&handle_));
   CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
   int dev = 0, major = 0, minor = 0;
