@@ -1,7 +1,14 @@
-// Flash attention on tensor cores (mma.sync m16n8k16 bf16, f32 accumulate), FlashAttention-2 style: rows are
-// (query, head-of-the-group) pairs of one kv head, so the K/V tiles of a kv head serve all its query heads.
+// Flash attention on tensor cores, FlashAttention-2 style: rows are (query, head-of-the-group) pairs of one kv head,
+// so the K/V tiles of a kv head serve all its query heads. Three kernels (launch<D> picks):
+//   attention_wgx_k<512>  Hopper (sm_90a build loaded), D = 512: a cluster of two blocks per 128-row tile, each with
+//                         half the head dim, wgmma, partial S swapped through distributed shared memory (below).
+//   attention_wg_k<256>   Hopper, D = 256: wgmma (Q, K, V from shared memory, P from registers), 128-row blocks.
+//   attention_k<D>        everything else (other GPUs, other head dims): mma.sync m16n8k16, described here.
+// All three: f32 online softmax, P rounded to bf16 for the P.V product (as HF's eager path does), the row sum from the
+// unrounded f32 p, the same split-KV with a fixed-order combine; bitwise deterministic (results differ from one kernel
+// to another only by the tensor cores' summation order).
 //
-// Layout. A block has 8 warps; each warp owns 16 rows and DW = min(D, 256) columns of the head dim:
+// attention_k layout. A block has 8 warps; each warp owns 16 rows and DW = min(D, 256) columns of the head dim:
 //   D <= 256: one warp per 16 rows (BM = 128 rows a block), O = 16 x D f32 in registers (128 / lane at D = 256);
 //   D == 512: two warps per 16 rows (BM = 64), each with half the head dim (16 x 512 f32 of O per warp would not
 //   fit in registers).
@@ -17,10 +24,15 @@
 // that warps drift apart. Correct, but slower: sliding denoise 52.8 vs 44.7 us, sliding prefill 0.54 vs 0.39 ms,
 // full layers unchanged.) The O rescale is skipped when no row max of the warp moved (alpha == 1 is exact).
 //
-// H200 (tools/gpu/microbench/attention_bench.cu), previous kernel -> this one, per layer: sliding denoise (T 256,
-// 1279 keys) 100 -> 45 us; full denoise at kv 512 / 4096 / 32768: 101 -> 68 us, 0.53 -> 0.31 ms, 4.07 -> 2.16 ms;
-// prefill T 4096: sliding 0.78 -> 0.39 ms, full 4.29 -> 1.99 ms. Per denoise step (25 sliding + 5 full) at kv 4096:
-// 5.2 -> 2.7 ms. Still ~3x off the tensor-core bound: 8 warps / SM (O in registers caps occupancy) in lockstep.
+// H200 (tools/gpu/microbench/attention_bench.cu), per layer, first kernel -> attention_k -> now (wgmma kernels):
+// sliding denoise (T 256, 1279 keys) 100 -> 44.3 -> 42.9 us; full denoise at kv 512 / 4096 / 32768: 101 -> 67.7 ->
+// 58.5 us, 0.54 -> 0.309 -> 0.242 ms, 4.08 -> 2.146 -> 1.663 ms; prefill T 4096: sliding 0.78 -> 0.390 -> 0.365 ms,
+// full 4.29 -> 1.977 -> 1.694 ms. Per denoise step (25 sliding + 5 full): kv 512 3.03 -> 1.445 -> 1.366 ms, kv 4096
+// 5.24 -> 2.653 -> 2.284 ms, kv 32768 22.9 -> 11.84 -> 9.39 ms. (attention_k numbers: the same binary with kWgmma off.)
+// Tried and dropped (H200, correct but slower): clusters of 2 / 4 row tiles that each load 1/CL of every K/V tile
+// into registers and store it into all blocks' shared memory (DSMEM broadcast, one cluster barrier per tile): L2
+// traffic fell (ncu L2 busy 72% -> 10%) but time rose: D = 512 kv 4096 0.354 ms (CL 2) / 0.645 ms (CL 4) vs 0.306,
+// sliding 71 us (CL 4) vs 43 us.
 //
 // Split-KV (flash-decoding): a denoise step has T = 256 queries, i.e. only 32 (sliding, g = 2) or 64 (full, g = 8)
 // row tiles; when the grid would leave more than half the SMs idle, each row tile's key range is cut into nsplit
@@ -307,6 +319,529 @@ __global__ void __launch_bounds__(kThreads, 1) attention_k(AttentionArgs a, Spli
   }
 }
 
+// ---- wgmma path (sm_90a), D = 256 ---------------------------------------------------------------------------------
+// A block is 2 warpgroups, each owning 64 rows (BM = 128), O = 64 x 256 f32 (128 registers / thread). S = Q K^T:
+// wgmma m64n64k16 with Q and K from shared memory (K-major); O += P V: wgmma m64n256k16 with P (bf16, the S
+// accumulators re-packed exactly as in the mma.sync kernel) from registers and V from shared memory (MN-major, the
+// transpose bit). Tiles are stored in the no-swizzle core-matrix layout: element (r, c) at
+// (r / 8) * RS + (c / 8) * 128 + (r % 8) * 16 + (c % 8) * 2 bytes, RS = 16 D, written by 16-byte cp.async (each 8
+// consecutive threads fill one 128-byte core matrix: no bank conflicts). Descriptors: K-major LBO = 128 (next 8
+// columns), SBO = RS (next 8 rows); V (MN-major) LBO = RS (next 8 keys), SBO = 128 (next 8 columns); the swapped pair
+// reads past shared memory (seen: illegal address). Same tiles, split and combine as attention_k. The same kernel with
+// two warpgroups splitting D = 512 over one 64-row tile (partial S swapped through shared memory) was measured and
+// dropped: no faster than attention_k (kv 4096 0.306 vs 0.309 ms, kv 512 72.7 vs 68.4 us, causal prefill 2.19 vs
+// 1.98 ms), both L2 bound.
+template <int D>
+struct WgCfg {
+  static_assert(D == 256, "O = 64 rows x D f32 per warpgroup: 128 registers a thread at D = 256");
+  static constexpr int BM = 128, BN = 64;
+  static constexpr int RS = D * 16;  // bytes of an 8-row group
+  static constexpr size_t q_bytes = size_t(BM) * D * 2, kv_bytes = size_t(BN) * D * 2;
+  static constexpr size_t smem = q_bytes + 4 * kv_bytes;  // 192 KB
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DG_ATTN_WGMMA 1
+// Shared-memory matrix descriptor, no swizzle: start, leading (LBO) and stride (SBO) byte offsets.
+__device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((saddr >> 4) & 0x3FFFu) | (uint64_t((lbo >> 4) & 0x3FFFu) << 16) |
+         (uint64_t((sbo >> 4) & 0x3FFFu) << 32);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+__device__ __forceinline__ void wg_ss_n64(float (&d)[32], uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void wg_rs_n128_t(float (&d)[64], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void wg_rs_n256_t(float (&d)[128], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+#endif
+
+#if defined(DG_ATTN_WGMMA)
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+#endif
+
+template <int D>
+__global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, Split sp) {
+#if defined(DG_ATTN_WGMMA)
+  using C = WgCfg<D>;
+  constexpr int BM = C::BM, BN = C::BN, RS = C::RS, NT = BN / 8, OT = D / 8;
+  constexpr uint32_t kVLbo = RS, kVSbo = 128;  // V (MN-major): LBO between 8-key groups, SBO between 8-column groups
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* KVs = smem + C::q_bytes;  // K0, V0, K1, V1
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
+  const int wg = tid >> 7, wwarp = warp & 3;
+  const int rbase = wg * 64;  // first row of this warpgroup in the block's tile
+  const int g = a.nh / a.nkv, kvh = blockIdx.y, split = blockIdx.z;
+  const int rows_total = a.T * g;
+  const int bx = a.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int m0 = bx * BM;
+
+  const int last_row = min(rows_total, m0 + BM) - 1;
+  const int64_t q_min = a.q_pos0 + m0 / g, q_max = a.q_pos0 + last_row / g;
+  const int64_t nk = a.n_old + a.T_new;
+  int64_t jb = 0, je = nk;
+  if (a.causal) {
+    je = min(nk, q_max - a.first_pos + 1);
+    if (a.window > 0) jb = max(int64_t(0), q_min - a.window + 1 - a.first_pos);
+  }
+  if (sp.nsplit > 1) {
+    const int64_t tiles = je > jb ? (je - jb + BN - 1) / BN : 0;
+    const int64_t tps = (tiles + sp.nsplit - 1) / sp.nsplit;
+    const int64_t s0 = jb + split * tps * BN;
+    je = min(je, s0 + tps * BN);
+    jb = s0;
+  }
+  int64_t qp[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int gr = min(m0 + rbase + wwarp * 16 + grp + h * 8, rows_total - 1);
+    qp[h] = a.q_pos0 + gr / g;
+  }
+  float o[OT * 4];
+#pragma unroll
+  for (int t = 0; t < OT * 4; ++t) o[t] = 0.0f;
+  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};
+
+  const uint32_t q_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t kv_base = q_base + uint32_t(C::q_bytes);
+  // chunk i (16 bytes) of a tile -> (row, 8-column group); 16 consecutive chunks fill two adjacent core matrices.
+  auto chunk = [](int i, int& r, int& c8) {
+    const int lo = i & 15, hi = i >> 4;
+    r = (hi / (D / 16)) * 8 + (lo & 7);
+    c8 = (hi % (D / 16)) * 2 + (lo >> 3);
+  };
+  auto soff = [](int r, int c8) { return (r >> 3) * RS + c8 * 128 + (r & 7) * 16; };
+  for (int i = tid; i < BM * (D / 8); i += kThreads) {
+    int r, c8;
+    chunk(i, r, c8);
+    const int gr = m0 + r;
+    const bool ok = gr < rows_total;
+    const bf16* src = a.q;
+    if (ok) src = a.q + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + c8 * 8;
+    cp_async16(smem + soff(r, c8), src, ok);
+  }
+  const int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
+  auto load_kv = [&](int stage, int64_t j0) {
+    unsigned char* Kd = KVs + size_t(stage * 2) * C::kv_bytes;
+    unsigned char* Vd = Kd + C::kv_bytes;
+    const int64_t slot0 = (a.first_pos + j0) % a.cap;
+    for (int i = tid; i < BN * (D / 8); i += kThreads) {
+      int r, c8;
+      chunk(i, r, c8);
+      const int64_t j = j0 + r;
+      const bool ok = j < je;
+      const bf16 *ks = a.k_new, *vs = a.v_new;
+      if (ok) {
+        if (j < a.n_old) {
+          int64_t slot = slot0 + r;
+          while (slot >= a.cap) slot -= a.cap;
+          const size_t off = (size_t(slot) * a.nkv + kvh) * D + c8 * 8;
+          ks = a.k_cache + off, vs = a.v_cache + off;
+        } else {
+          const size_t off = (size_t(j - a.n_old) * a.nkv + kvh) * D + c8 * 8;
+          ks = a.k_new + off, vs = a.v_new + off;
+        }
+      }
+      cp_async16(Kd + soff(r, c8), ks, ok);
+      cp_async16(Vd + soff(r, c8), vs, ok);
+    }
+  };
+  if (ntiles > 0) load_kv(0, jb);
+  cp_async_commit();
+
+  for (int64_t i = 0; i < ntiles; ++i) {
+    const int stage = int(i & 1);
+    const int64_t j0 = jb + i * BN;
+    cp_async_wait<0>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
+    __syncthreads();
+    if (i + 1 < ntiles) load_kv(stage ^ 1, j0 + BN);
+    cp_async_commit();
+    const uint32_t k_tile = kv_base + uint32_t(stage * 2 * C::kv_bytes), v_tile = k_tile + uint32_t(C::kv_bytes);
+
+    float s[NT * 4];
+#pragma unroll
+    for (int t = 0; t < NT * 4; ++t) s[t] = 0.0f;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D; kk += 16) {
+      const uint32_t col_b = uint32_t(kk) * 16;  // (column / 8) * 128 bytes
+      const uint64_t da = wg_desc(q_base + uint32_t(rbase / 8) * RS + col_b, 128, RS);
+      const uint64_t db = wg_desc(k_tile + col_b, 128, RS);
+      wg_ss_n64(s, da, db);
+    }
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(s);
+
+    const int64_t kp_lo = a.first_pos + j0, kp_hi = kp_lo + BN - 1;
+    const bool full_vis = !a.causal || (kp_hi <= q_min && (a.window == 0 || q_max - kp_lo < a.window));
+    if (j0 + BN > je || !full_vis) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t j = j0 + t * 8 + tig * 2 + (e & 1), kp = a.first_pos + j, q = qp[e >> 1];
+          bool ok = j < je;
+          if (a.causal) ok = ok && kp <= q && (a.window == 0 || q - kp < a.window);
+          if (!ok) s[t * 4 + e] = -INFINITY;
+        }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) mx = fmaxf(mx, fmaxf(s[t * 4 + 2 * h], s[t * 4 + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_r[h], mx);
+      alpha[h] = 1.0f;
+      if (m_new != -INFINITY) alpha[h] = m_r[h] == -INFINITY ? 0.0f : __expf(m_r[h] - m_new);
+      m_r[h] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const float p = s[t * 4 + e] == -INFINITY ? 0.0f : __expf(s[t * 4 + e] - m_new);
+          sum += p;
+          s[t * 4 + e] = p;
+        }
+      l_r[h] = l_r[h] * alpha[h] + sum;
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+      for (int t = 0; t < OT; ++t) {
+        o[t * 4 + 0] *= alpha[0], o[t * 4 + 1] *= alpha[0];
+        o[t * 4 + 2] *= alpha[1], o[t * 4 + 3] *= alpha[1];
+      }
+    }
+    uint32_t pa[BN / 16][4];  // P as the A fragments (rows of the warp x 16 keys), packed before the fence
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) pa[kc][r] = pack_bf16(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
+    wg_fence();
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc) {
+      const uint64_t db = wg_desc(v_tile + uint32_t(kc * 2) * RS, kVLbo, kVSbo);
+      wg_rs_n256_t(o, pa[kc], db);
+    }
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(o);
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
+    l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 2);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int gr = m0 + rbase + wwarp * 16 + grp + h * 8;
+    if (gr >= rows_total) continue;
+    const int col0 = tig * 2;
+    if (sp.nsplit == 1) {
+      const float inv = l_r[h] > 0 ? 1.0f / l_r[h] : 0.0f;
+      bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + col0;
+#pragma unroll
+      for (int t = 0; t < OT; ++t)
+        *reinterpret_cast<__nv_bfloat162*>(dst + t * 8) =
+            __floats2bfloat162_rn(o[t * 4 + 2 * h] * inv, o[t * 4 + 2 * h + 1] * inv);
+    } else {
+      const size_t row = (size_t(split) * a.nkv + kvh) * rows_total + gr;
+      float* dst = sp.ws_o + row * D + col0;
+#pragma unroll
+      for (int t = 0; t < OT; ++t)
+        *reinterpret_cast<float2*>(dst + t * 8) = make_float2(o[t * 4 + 2 * h], o[t * 4 + 2 * h + 1]);
+      if (tig == 0) *reinterpret_cast<float2*>(sp.ws_ml + row * 2) = make_float2(m_r[h], l_r[h]);
+    }
+  }
+#else
+  static_assert(WgCfg<D>::RS > 0, "");  // (no wgmma on this target: the launcher never picks this kernel)
+#endif
+}
+
+// ---- D = 512 as two half-D blocks (a cluster of 2) -----------------------------------------------------------------
+// A 64-row D = 512 block (attention_k, or wgmma with 2 warpgroups on half D each) is bound by L2 -> SM traffic: O of
+// 64 rows x 512 f32 fills half the register file, so a block holds only 64 rows and each K/V byte is re-read for every
+// 64 rows (ncu at kv 4096: L2 ~72% busy, SM ~34%, ~1.9 TB/s out of L2). Here a cluster of two blocks shares a 128-row
+// tile: block rank dp keeps O[:, DH dp .. DH dp + DH - 1] (DH = D / 2; 2 warpgroups x 64 rows, the D = 256 kernel's
+// registers) and loads only its half of Q, K and V; the two partial S = Q_half K_half^T (128 x 64 f32) are swapped
+// through distributed shared memory (st.shared::cluster into the partner's buffer, fragment order; cluster barriers:
+// release/acquire after the stores, and a "done reading" arrive that the next tile's stores wait on) and both blocks
+// add them (a + b == b + a: bitwise the same S, hence the same P, m and l in both). L2 traffic per row-key drops from
+// 32 to 8 bytes, plus 4 bytes of DSMEM; 224 KB of shared memory. H200, per layer, attention_k -> this: kv 512 / 4096 /
+// 32768 denoise 67.7 -> 58.5 us, 0.309 -> 0.242 ms, 2.146 -> 1.663 ms; causal prefill T 4096 1.977 -> 1.694 ms (ncu
+// kv 4096: L2 50% busy, SM 28%: now latency bound, S -> exchange -> softmax -> P.V in lockstep, no overlap).
+// D = 256 through this kernel (DH = 128, kWgx256) was measured and is off: sliding denoise 60.3 vs 42.9 us for
+// attention_wg_k, sliding prefill 0.61 vs 0.36 ms.
+template <int D_>
+struct WgxCfg {
+  static constexpr int D = D_, DH = D / 2, BM = 128, BN = 64, RS = DH * 16;
+  static constexpr size_t q_bytes = size_t(BM) * DH * 2, kv_bytes = size_t(BN) * DH * 2;
+  static constexpr size_t x_bytes = size_t(BM) * BN * 4;
+  static constexpr size_t smem = q_bytes + 4 * kv_bytes + x_bytes;  // 224 KB
+};
+
+template <int D_>
+__global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, Split sp) {
+#if defined(DG_ATTN_WGMMA)
+  using C = WgxCfg<D_>;
+  constexpr int D = C::D, DH = C::DH, BM = C::BM, BN = C::BN, RS = C::RS, NT = BN / 8, OT = DH / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* KVs = smem + C::q_bytes;  // K0, V0, K1, V1 (this block's half of the head dim)
+  float* Xs = reinterpret_cast<float*>(smem + C::q_bytes + 4 * C::kv_bytes);  // the partner's partial S
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
+  const int wg = tid >> 7, wwarp = warp & 3, rbase = wg * 64;
+  uint32_t dp;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(dp));
+  const int g = a.nh / a.nkv, kvh = blockIdx.y, split = blockIdx.z;
+  const int rows_total = a.T * g;
+  const int tiles_x = int(gridDim.x) >> 1, bx0 = int(blockIdx.x) >> 1;
+  const int bx = a.causal ? tiles_x - 1 - bx0 : bx0;
+  const int m0 = bx * BM;
+
+  const int last_row = min(rows_total, m0 + BM) - 1;
+  const int64_t q_min = a.q_pos0 + m0 / g, q_max = a.q_pos0 + last_row / g;
+  const int64_t nk = a.n_old + a.T_new;
+  int64_t jb = 0, je = nk;
+  if (a.causal) {
+    je = min(nk, q_max - a.first_pos + 1);
+    if (a.window > 0) jb = max(int64_t(0), q_min - a.window + 1 - a.first_pos);
+  }
+  if (sp.nsplit > 1) {
+    const int64_t tiles = je > jb ? (je - jb + BN - 1) / BN : 0;
+    const int64_t tps = (tiles + sp.nsplit - 1) / sp.nsplit;
+    const int64_t s0 = jb + split * tps * BN;
+    je = min(je, s0 + tps * BN);
+    jb = s0;
+  }
+  int64_t qp[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int gr = min(m0 + rbase + wwarp * 16 + grp + h * 8, rows_total - 1);
+    qp[h] = a.q_pos0 + gr / g;
+  }
+  float o[OT * 4];
+#pragma unroll
+  for (int t = 0; t < OT * 4; ++t) o[t] = 0.0f;
+  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};
+
+  const uint32_t q_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t kv_base = q_base + uint32_t(C::q_bytes);
+  const uint32_t x_local = q_base + uint32_t(C::q_bytes + 4 * C::kv_bytes);
+  uint32_t x_remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(x_remote) : "r"(x_local), "r"(dp ^ 1u));
+  auto chunk = [](int i, int& r, int& c8) {
+    const int lo = i & 15, hi = i >> 4;
+    r = (hi / (DH / 16)) * 8 + (lo & 7);
+    c8 = (hi % (DH / 16)) * 2 + (lo >> 3);
+  };
+  auto soff = [](int r, int c8) { return (r >> 3) * RS + c8 * 128 + (r & 7) * 16; };
+  const int colh = int(dp) * DH;  // first head-dim column of this block
+  for (int i = tid; i < BM * (DH / 8); i += kThreads) {
+    int r, c8;
+    chunk(i, r, c8);
+    const int gr = m0 + r;
+    const bool ok = gr < rows_total;
+    const bf16* src = a.q;
+    if (ok) src = a.q + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + colh + c8 * 8;
+    cp_async16(smem + soff(r, c8), src, ok);
+  }
+  const int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
+  auto load_kv = [&](int stage, int64_t j0) {
+    unsigned char* Kd = KVs + size_t(stage * 2) * C::kv_bytes;
+    unsigned char* Vd = Kd + C::kv_bytes;
+    const int64_t slot0 = (a.first_pos + j0) % a.cap;
+    for (int i = tid; i < BN * (DH / 8); i += kThreads) {
+      int r, c8;
+      chunk(i, r, c8);
+      const int64_t j = j0 + r;
+      const bool ok = j < je;
+      const bf16 *ks = a.k_new, *vs = a.v_new;
+      if (ok) {
+        if (j < a.n_old) {
+          int64_t slot = slot0 + r;
+          while (slot >= a.cap) slot -= a.cap;
+          const size_t off = (size_t(slot) * a.nkv + kvh) * D + colh + c8 * 8;
+          ks = a.k_cache + off, vs = a.v_cache + off;
+        } else {
+          const size_t off = (size_t(j - a.n_old) * a.nkv + kvh) * D + colh + c8 * 8;
+          ks = a.k_new + off, vs = a.v_new + off;
+        }
+      }
+      cp_async16(Kd + soff(r, c8), ks, ok);
+      cp_async16(Vd + soff(r, c8), vs, ok);
+    }
+  };
+  cluster_sync_all();  // the partner runs before any DSMEM store into it
+  if (ntiles > 0) load_kv(0, jb);
+  cp_async_commit();
+
+  for (int64_t i = 0; i < ntiles; ++i) {
+    const int stage = int(i & 1);
+    const int64_t j0 = jb + i * BN;
+    cp_async_wait<0>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
+    __syncthreads();
+    if (i + 1 < ntiles) load_kv(stage ^ 1, j0 + BN);
+    cp_async_commit();
+    const uint32_t k_tile = kv_base + uint32_t(stage * 2 * C::kv_bytes), v_tile = k_tile + uint32_t(C::kv_bytes);
+
+    float s[NT * 4];
+#pragma unroll
+    for (int t = 0; t < NT * 4; ++t) s[t] = 0.0f;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < DH; kk += 16) {
+      const uint64_t da = wg_desc(q_base + uint32_t(rbase / 8) * RS + uint32_t(kk) * 16, 128, RS);
+      const uint64_t db = wg_desc(k_tile + uint32_t(kk) * 16, 128, RS);
+      wg_ss_n64(s, da, db);
+    }
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(s);
+    // Swap partial S with the partner block: the same thread of the partner holds the same (row, key) elements.
+    if (i > 0) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // partner done reading its buffer
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const uint32_t addr = x_remote + uint32_t((t * kThreads + tid) * 16);
+      asm volatile("st.shared::cluster.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "f"(s[4 * t]), "f"(s[4 * t + 1]),
+                   "f"(s[4 * t + 2]), "f"(s[4 * t + 3])
+                   : "memory");
+    }
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const float4 x = *reinterpret_cast<const float4*>(Xs + (t * kThreads + tid) * 4);
+      s[4 * t] += x.x, s[4 * t + 1] += x.y, s[4 * t + 2] += x.z, s[4 * t + 3] += x.w;
+    }
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");  // done reading: the partner may write
+
+    const int64_t kp_lo = a.first_pos + j0, kp_hi = kp_lo + BN - 1;
+    const bool full_vis = !a.causal || (kp_hi <= q_min && (a.window == 0 || q_max - kp_lo < a.window));
+    if (j0 + BN > je || !full_vis) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t j = j0 + t * 8 + tig * 2 + (e & 1), kp = a.first_pos + j, q = qp[e >> 1];
+          bool ok = j < je;
+          if (a.causal) ok = ok && kp <= q && (a.window == 0 || q - kp < a.window);
+          if (!ok) s[t * 4 + e] = -INFINITY;
+        }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) mx = fmaxf(mx, fmaxf(s[t * 4 + 2 * h], s[t * 4 + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_r[h], mx);
+      alpha[h] = 1.0f;
+      if (m_new != -INFINITY) alpha[h] = m_r[h] == -INFINITY ? 0.0f : __expf(m_r[h] - m_new);
+      m_r[h] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const float p = s[t * 4 + e] == -INFINITY ? 0.0f : __expf(s[t * 4 + e] - m_new);
+          sum += p;
+          s[t * 4 + e] = p;
+        }
+      l_r[h] = l_r[h] * alpha[h] + sum;
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+      for (int t = 0; t < OT; ++t) {
+        o[t * 4 + 0] *= alpha[0], o[t * 4 + 1] *= alpha[0];
+        o[t * 4 + 2] *= alpha[1], o[t * 4 + 3] *= alpha[1];
+      }
+    }
+    uint32_t pa[BN / 16][4];
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) pa[kc][r] = pack_bf16(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
+    wg_fence();
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc) {
+      const uint64_t db = wg_desc(v_tile + uint32_t(kc * 2) * RS, RS, 128);
+      if constexpr (DH == 256) wg_rs_n256_t(o, pa[kc], db);
+      else wg_rs_n128_t(o, pa[kc], db);
+    }
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(o);
+  }
+  cp_async_wait<0>();
+  if (ntiles > 0) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // pairs the last arrive
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
+    l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 2);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int gr = m0 + rbase + wwarp * 16 + grp + h * 8;
+    if (gr >= rows_total) continue;
+    const int col0 = colh + tig * 2;
+    if (sp.nsplit == 1) {
+      const float inv = l_r[h] > 0 ? 1.0f / l_r[h] : 0.0f;
+      bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + col0;
+#pragma unroll
+      for (int t = 0; t < OT; ++t)
+        *reinterpret_cast<__nv_bfloat162*>(dst + t * 8) =
+            __floats2bfloat162_rn(o[t * 4 + 2 * h] * inv, o[t * 4 + 2 * h + 1] * inv);
+    } else {
+      const size_t row = (size_t(split) * a.nkv + kvh) * rows_total + gr;
+      float* dst = sp.ws_o + row * D + col0;
+#pragma unroll
+      for (int t = 0; t < OT; ++t)
+        *reinterpret_cast<float2*>(dst + t * 8) = make_float2(o[t * 4 + 2 * h], o[t * 4 + 2 * h + 1]);
+      if (dp == 0 && tig == 0) *reinterpret_cast<float2*>(sp.ws_ml + row * 2) = make_float2(m_r[h], l_r[h]);
+    }
+  }
+#else
+  static_assert(WgxCfg<D_>::D == D_ && WgxCfg<D_>::RS > 0, "");  // (no wgmma on this target: never picked)
+#endif
+}
+
 // Merges the nsplit partial results of each row in split order: one warp per (kv head, row).
 __global__ void attention_combine_k(AttentionArgs a, Split sp) {
   const int g = a.nh / a.nkv, rows_total = a.T * g, D = a.D;
@@ -348,17 +883,27 @@ int sm_count() {
   return n;
 }
 
-template <int D>
-void launch(const AttentionArgs& a, cudaStream_t s) {
-  using C = Cfg<D>;
-  static bool raised = false;  // dynamic shared memory opt-in, per kernel
-  if (!raised) {
-    CUDA_CHECK(cudaFuncSetAttribute(attention_k<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem)));
-    raised = true;
-  }
+// Paths: D = 256 -> attention_wg_k, D = 512 -> attention_wgx_k (cluster pairs), where the sm_90a build is the one
+// loaded (Hopper); everything else, and those where it is not, -> attention_k (mma.sync).
+constexpr bool kWgmma = true;      // master switch of the wgmma paths
+constexpr bool kWgx256 = false;    // D = 256 through attention_wgx_k (cluster pairs of half-D blocks)
+constexpr bool kWg256 = true;      // D = 256 through attention_wg_k (when not the above)
+constexpr bool kWgx512 = true;     // D = 512 through attention_wgx_k
+constexpr bool kWgxCausal = true;  // ... causal (prefill) launches too
+constexpr int64_t kWgxMinKeys = 0;  // ... when the launch has at least this many keys
+template <typename K>
+bool hopper_build_of(K kernel) {
+  int dev = 0, major = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  cudaFuncAttributes fa{};
+  CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+  return major == 9 && fa.binaryVersion == 90;
+}
+
+// Split-KV count for a grid of `base` blocks over `tiles` key tiles (1: no split).
+Split pick_split(const AttentionArgs& a, int base, int64_t tiles, int D) {
   const int rows = a.T * (a.nh / a.nkv);
-  const int row_tiles = (rows + C::BM - 1) / C::BM, base = row_tiles * a.nkv;
-  const int64_t tiles = (a.n_old + a.T_new + C::BN - 1) / C::BN;
   Split sp{1, nullptr, nullptr};
   const int sms = sm_count();
   if (2 * base <= sms) {
@@ -373,13 +918,70 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       sp = Split{ns, ws_o, ws_ml};
     }
   }
+  return sp;
+}
+
+void combine(const AttentionArgs& a, const Split& sp, cudaStream_t s) {
+  if (sp.nsplit <= 1) return;
+  const int64_t nrows = int64_t(a.nkv) * a.T * (a.nh / a.nkv);
+  attention_combine_k<<<unsigned((nrows + 7) / 8), 256, 0, s>>>(a, sp);
+  CUDA_CHECK_LAUNCH();
+}
+
+template <int D>
+void launch(const AttentionArgs& a, cudaStream_t s) {
+  using C = Cfg<D>;
+  const int rows = a.T * (a.nh / a.nkv);
+  if constexpr (D == 512 || D == 256) {
+    static const bool wgx = kWgmma && (D == 512 ? kWgx512 : kWgx256) && [] {
+      if (!hopper_build_of(attention_wgx_k<D>)) return false;
+      CUDA_CHECK(cudaFuncSetAttribute(attention_wgx_k<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(WgxCfg<D>::smem)));
+      return true;
+    }();
+    if (wgx && (!a.causal || kWgxCausal) && a.n_old + a.T_new >= kWgxMinKeys) {
+      using W = WgxCfg<D>;
+      const int row_tiles = (rows + W::BM - 1) / W::BM;
+      const Split sp = pick_split(a, 2 * row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(unsigned(2 * row_tiles), unsigned(a.nkv), unsigned(sp.nsplit));
+      cfg.blockDim = dim3(kThreads);
+      cfg.dynamicSmemBytes = W::smem;
+      cfg.stream = s;
+      cudaLaunchAttribute at[1];
+      at[0].id = cudaLaunchAttributeClusterDimension;
+      at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+      cfg.attrs = at, cfg.numAttrs = 1;
+      CUDA_CHECK(cudaLaunchKernelEx(&cfg, attention_wgx_k<D>, a, sp));
+      return combine(a, sp, s);
+    }
+  }
+  if constexpr (D == 256) {
+    static const bool wg = kWgmma && kWg256 && [] {
+      if (!hopper_build_of(attention_wg_k<256>)) return false;
+      CUDA_CHECK(cudaFuncSetAttribute(attention_wg_k<256>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(WgCfg<256>::smem)));
+      return true;
+    }();
+    if (wg) {
+      using W = WgCfg<256>;
+      const int row_tiles = (rows + W::BM - 1) / W::BM;
+      const Split sp = pick_split(a, row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
+      attention_wg_k<256><<<dim3(row_tiles, a.nkv, sp.nsplit), kThreads, W::smem, s>>>(a, sp);
+      CUDA_CHECK_LAUNCH();
+      return combine(a, sp, s);
+    }
+  }
+  static bool raised = false;  // dynamic shared memory opt-in, per kernel
+  if (!raised) {
+    CUDA_CHECK(cudaFuncSetAttribute(attention_k<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem)));
+    raised = true;
+  }
+  const int row_tiles = (rows + C::BM - 1) / C::BM;
+  const Split sp = pick_split(a, row_tiles * a.nkv, (a.n_old + a.T_new + C::BN - 1) / C::BN, D);
   attention_k<D><<<dim3(row_tiles, a.nkv, sp.nsplit), kThreads, C::smem, s>>>(a, sp);
   CUDA_CHECK_LAUNCH();
-  if (sp.nsplit > 1) {
-    const int64_t nrows = int64_t(a.nkv) * rows;
-    attention_combine_k<<<unsigned((nrows + 7) / 8), 256, 0, s>>>(a, sp);
-    CUDA_CHECK_LAUNCH();
-  }
+  combine(a, sp, s);
 }
 
 }  // namespace

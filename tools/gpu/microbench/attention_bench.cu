@@ -1,9 +1,14 @@
-// Standalone check + timing of dg::cuda::attention (src/backend/cuda/kernels_attention.cu) against the kernel it
-// replaced (attention_old.cuh, a copy of the previous file) and a CPU reference (double, unrounded P, as the
-// engine's cpu::attention oracle). Optionally (-DWITH_V3, see build_attention_bench.sh) a third build of the file
-// with one change, as "var", to try a variant in the same GPU call.
-// Correctness: every row on small awkward shapes, sampled rows on the real ones; determinism: two runs compared
-// bitwise. Timing: cudaEvents at the model's shapes, plus per-step estimates (25 sliding + 5 full layers).
+// Standalone check + timing of dg::cuda::attention (src/backend/cuda/kernels_attention.cu) against an older kernel
+// ("old": attention_old.cuh, the file before attention_k) and a CPU reference (double, unrounded P, as the
+// engine's cpu::attention oracle). Optionally (-DWITH_V3 / -DWITH_V4, see build_attention_bench.sh) a third and a
+// fourth build of the file with one change each, as "var" and "var2", to try variants in the same GPU call; e.g.
+// VARIANT_SED='s/^constexpr bool kWgmma = true; /constexpr bool kWgmma = false;/' times the mma.sync kernel
+// (attention_k) beside the wgmma ones. A variant that faults takes the whole process down: build risky ones as
+// separate binaries (ATTN_SRC=copy.cu ... build_attention_bench.sh other-dir). ATTN_CASE=substring runs only the
+// matching cases (for ncu).
+// Correctness: every row on small awkward shapes, sampled rows on the real ones; determinism: two runs and a
+// CUDA-graph replay of the call compared bitwise. Timing: cudaEvents at the model's shapes, plus per-step
+// estimates (25 sliding + 5 full layers).
 // Build: tools/gpu/microbench/build_attention_bench.sh (-> build-attn/attention_bench; no engine sources needed).
 #include <cuda_runtime.h>
 
@@ -29,6 +34,9 @@ namespace dg::cuda {
 void check_cublas(int, const char*, const char*, int) {}
 #ifdef WITH_V3
 void attention_v3(const AttentionArgs& a, cudaStream_t s);  // the variant
+#endif
+#ifdef WITH_V4
+void attention_v4(const AttentionArgs& a, cudaStream_t s);  // the second variant (VARIANT_SED2)
 #endif
 }  // namespace dg::cuda
 
@@ -75,14 +83,18 @@ struct Case {
 };
 
 struct Result {
-  double t_old = 0, t_new = 0, t_v3 = 0;
+  double t_old = 0, t_new = 0, t_v3 = 0, t_v4 = 0;
 };
 
 static Result run_case(const Case& c, bool& all_ok) {
+  // ATTN_CASE=substring runs only the cases whose name holds it (for a profiler).
+  if (const char* only = std::getenv("ATTN_CASE"); only && !std::strstr(c.name, only)) return Result{};
   const size_t qn = size_t(c.T) * c.nh * c.D, cn = size_t(c.cap) * c.nkv * c.D, nn = size_t(c.T) * c.nkv * c.D;
   Buf q(qn, 1), kc(cn, 2), vc(cn, 3), kn(nn, 4), vn(nn, 5);
-  bf16 *o_new, *o_new2, *o_old, *o_v3;
+  bf16 *o_new, *o_new2, *o_old, *o_v3, *o_v4;
   cudaMalloc(&o_new, qn * 2), cudaMalloc(&o_new2, qn * 2), cudaMalloc(&o_old, qn * 2), cudaMalloc(&o_v3, qn * 2);
+  cudaMalloc(&o_v4, qn * 2);
+  cudaMemset(o_v4, 0xff, qn * 2);
   cudaMemset(o_new, 0xff, qn * 2), cudaMemset(o_new2, 0x7f, qn * 2), cudaMemset(o_old, 0xff, qn * 2);
   cudaMemset(o_v3, 0xff, qn * 2);
   AttentionArgs a{q.d,    c.T,   c.nh,      c.nkv, c.D,      kc.d,  vc.d, c.cap, c.first_pos, c.n_old,
@@ -96,13 +108,35 @@ static Result run_case(const Case& c, bool& all_ok) {
   a.out = o_v3;
   dg::cuda::attention_v3(a, nullptr);
 #endif
+#ifdef WITH_V4
+  a.out = o_v4;
+  dg::cuda::attention_v4(a, nullptr);
+#endif
   CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<uint16_t> hn(qn), hn2(qn), ho(qn), h3(qn);
+  std::vector<uint16_t> hn(qn), hn2(qn), ho(qn), h3(qn), h4(qn);
+  cudaMemcpy(h4.data(), o_v4, qn * 2, cudaMemcpyDeviceToHost);
   cudaMemcpy(h3.data(), o_v3, qn * 2, cudaMemcpyDeviceToHost);
   cudaMemcpy(hn.data(), o_new, qn * 2, cudaMemcpyDeviceToHost);
   cudaMemcpy(hn2.data(), o_new2, qn * 2, cudaMemcpyDeviceToHost);
   cudaMemcpy(ho.data(), o_old, qn * 2, cudaMemcpyDeviceToHost);
-  const bool det = std::memcmp(hn.data(), hn2.data(), qn * 2) == 0;
+  bool det = std::memcmp(hn.data(), hn2.data(), qn * 2) == 0;
+  {  // the engine captures attention into CUDA graphs: a captured launch must give the same bits
+    cudaStream_t st;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    a.out = o_new2;
+    CUDA_CHECK(cudaMemset(o_new2, 0x7f, qn * 2));
+    CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    dg::cuda::attention(a, st);
+    CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_CHECK(cudaGraphLaunch(exec, st));
+    CUDA_CHECK(cudaStreamSynchronize(st));
+    CUDA_CHECK(cudaMemcpy(hn2.data(), o_new2, qn * 2, cudaMemcpyDeviceToHost));
+    det = det && std::memcmp(hn.data(), hn2.data(), qn * 2) == 0;
+    cudaGraphExecDestroy(exec), cudaGraphDestroy(graph), cudaStreamDestroy(st);
+  }
   const bool v3_same = std::memcmp(hn.data(), h3.data(), qn * 2) == 0;  // bitwise equal to the file's kernel
 
   // Rows to check: (t, h) pairs.
@@ -118,7 +152,7 @@ static Result run_case(const Case& c, bool& all_ok) {
   }
   const int g = c.nh / c.nkv;
   const int64_t nk = c.n_old + c.T;
-  std::vector<double> md_new(rows.size()), md_old(rows.size()), md_v3(rows.size()),
+  std::vector<double> md_new(rows.size()), md_old(rows.size()), md_v3(rows.size()), md_v4(rows.size()),
       mr(rows.size());
   auto work = [&](size_t i0, size_t i1) {
     std::vector<double> sc(size_t(nk) + 1), acc(size_t(c.D));
@@ -150,7 +184,7 @@ static Result run_case(const Case& c, bool& all_ok) {
         sum += p;
         for (int d = 0; d < c.D; ++d) acc[size_t(d)] += p * key(vc, vn, j, d);
       }
-      double dn = 0, dol = 0, d3 = 0, r = 0;
+      double dn = 0, dol = 0, d3 = 0, d4 = 0, r = 0;
       for (int d = 0; d < c.D; ++d) {
         const double want = acc[size_t(d)] / sum;
         const size_t idx = (size_t(t) * c.nh + h) * c.D + d;
@@ -159,9 +193,11 @@ static Result run_case(const Case& c, bool& all_ok) {
         dol = std::isfinite(go) ? std::max(dol, std::fabs(go - want)) : INFINITY;
         const double g3 = b2f(h3[idx]);
         d3 = std::isfinite(g3) ? std::max(d3, std::fabs(g3 - want)) : INFINITY;
+        const double g4 = b2f(h4[idx]);
+        d4 = std::isfinite(g4) ? std::max(d4, std::fabs(g4 - want)) : INFINITY;
         r = std::max(r, std::fabs(want));
       }
-      md_new[ri] = dn, md_old[ri] = dol, md_v3[ri] = d3, mr[ri] = r;
+      md_new[ri] = dn, md_old[ri] = dol, md_v3[ri] = d3, md_v4[ri] = d4, mr[ri] = r;
     }
   };
   const size_t nth = std::max(1u, std::thread::hardware_concurrency());
@@ -169,12 +205,13 @@ static Result run_case(const Case& c, bool& all_ok) {
   for (size_t k = 0; k < nth; ++k)
     th.emplace_back(work, rows.size() * k / nth, rows.size() * (k + 1) / nth);
   for (auto& x : th) x.join();
-  double dn = 0, dol = 0, d3 = 0, r = 0;
+  double dn = 0, dol = 0, d3 = 0, d4 = 0, r = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
     dn = std::max(dn, md_new[i]), dol = std::max(dol, md_old[i]);
-    d3 = std::max(d3, md_v3[i]), r = std::max(r, mr[i]);
+    d3 = std::max(d3, md_v3[i]), d4 = std::max(d4, md_v4[i]), r = std::max(r, mr[i]);
   }
-  const double en = dn / r, eo = dol / r, e3 = d3 / r;
+  const double en = dn / r, eo = dol / r, e3 = d3 / r, e4 = d4 / r;
+  const bool v4_same = std::memcmp(hn.data(), h4.data(), qn * 2) == 0;
   const bool ok = en <= 2e-2 && det && std::isfinite(en);
   all_ok = all_ok && ok;
 
@@ -182,17 +219,18 @@ static Result run_case(const Case& c, bool& all_ok) {
   if (c.iters > 0) {
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0), cudaEventCreate(&e1);
+    void (*fns[4])(const AttentionArgs&, cudaStream_t) = {dg::cuda::attention_old, dg::cuda::attention, nullptr,
+                                                          nullptr};
 #ifdef WITH_V3
-    constexpr int nimpl = 3;
-    void (*const fns[3])(const AttentionArgs&, cudaStream_t) = {dg::cuda::attention_old, dg::cuda::attention,
-                                                                dg::cuda::attention_v3};
-#else
-    constexpr int nimpl = 2;
-    void (*const fns[2])(const AttentionArgs&, cudaStream_t) = {dg::cuda::attention_old, dg::cuda::attention};
+    fns[2] = dg::cuda::attention_v3;
 #endif
-    double* dst[3] = {&res.t_old, &res.t_new, &res.t_v3};
-    bf16* outs[3] = {o_old, o_new, o_v3};
-    for (int pass = 0; pass < nimpl; ++pass) {
+#ifdef WITH_V4
+    fns[3] = dg::cuda::attention_v4;
+#endif
+    double* dst[4] = {&res.t_old, &res.t_new, &res.t_v3, &res.t_v4};
+    bf16* outs[4] = {o_old, o_new, o_v3, o_v4};
+    for (int pass = 0; pass < 4; ++pass) {
+      if (!fns[pass]) continue;
       a.out = outs[pass];
       for (int i = 0; i < 3; ++i) fns[pass](a, nullptr);
       cudaEventRecord(e0);
@@ -210,14 +248,20 @@ static Result run_case(const Case& c, bool& all_ok) {
 #ifdef WITH_V3
   std::printf(" var %.2e%s", e3, v3_same ? "(=new)" : "");
 #endif
+#ifdef WITH_V4
+  std::printf(" var2 %.2e%s", e4, v4_same ? "(=new)" : "");
+#endif
   std::printf("  det %s  %s", det ? "yes" : "NO", ok ? "OK  " : "FAIL");
   if (c.iters > 0) std::printf("  old %7.4f  new %7.4f ms  x%.2f", res.t_old, res.t_new, res.t_old / res.t_new);
 #ifdef WITH_V3
   if (c.iters > 0) std::printf("  var %7.4f ms", res.t_v3);
 #endif
+#ifdef WITH_V4
+  if (c.iters > 0) std::printf("  var2 %7.4f ms", res.t_v4);
+#endif
   std::printf("\n");
   std::fflush(stdout);
-  cudaFree(o_new), cudaFree(o_new2), cudaFree(o_old), cudaFree(o_v3);
+  cudaFree(o_new), cudaFree(o_new2), cudaFree(o_old), cudaFree(o_v3), cudaFree(o_v4);
   return res;
 }
 
@@ -252,12 +296,13 @@ int main() {
   const Result rs = run_case(S, ok), r512 = run_case(F512, ok), r4k = run_case(F4K, ok), r32k = run_case(F32K, ok);
   const Result rps = run_case(PS, ok), rpf = run_case(PF, ok);
   auto step = [&](const Result& f, double Result::*m) { return 25 * (rs.*m) + 5 * (f.*m); };
-  std::printf("\nper denoise step (25 sliding + 5 full), old / new (/ var) ms:\n");
+  std::printf("\nper denoise step (25 sliding + 5 full), old / new (/ var / var2) ms:\n");
   for (auto [name, r] : {std::pair{"  kv   512", &r512}, std::pair{"  kv  4096", &r4k}, std::pair{"  kv 32768", &r32k}})
-    std::printf("%s: %7.3f  %7.3f  %7.3f\n", name, step(*r, &Result::t_old), step(*r, &Result::t_new),
-                step(*r, &Result::t_v3));
-  std::printf("prefill 4096-token chunk attention (25 + 5 layers): %7.3f  %7.3f  %7.3f\n",
-              25 * rps.t_old + 5 * rpf.t_old, 25 * rps.t_new + 5 * rpf.t_new, 25 * rps.t_v3 + 5 * rpf.t_v3);
+    std::printf("%s: %7.3f  %7.3f  %7.3f  %7.3f\n", name, step(*r, &Result::t_old), step(*r, &Result::t_new),
+                step(*r, &Result::t_v3), step(*r, &Result::t_v4));
+  std::printf("prefill 4096-token chunk attention (25 + 5 layers): %7.3f  %7.3f  %7.3f  %7.3f\n",
+              25 * rps.t_old + 5 * rpf.t_old, 25 * rps.t_new + 5 * rpf.t_new, 25 * rps.t_v3 + 5 * rpf.t_v3,
+              25 * rps.t_v4 + 5 * rpf.t_v4);
   std::printf("%s\n", ok ? "ALL OK" : "SOME CHECKS FAILED");
   return ok ? 0 : 1;
 }

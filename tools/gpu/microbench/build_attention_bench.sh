@@ -1,14 +1,15 @@
 #!/bin/sh
 # Builds build-attn/attention_bench (or $1/attention_bench) for sm_90a from src/backend/cuda/kernels_attention.cu and
-# the previous kernel (tools/gpu/microbench/attention_old.cuh); the binary needs no other libraries on the GPU
+# an older kernel (tools/gpu/microbench/attention_old.cuh); the binary needs no other libraries on the GPU
 # machine. VARIANT_SED='sed expression' adds a third build of the file with that edit applied (printed as "var"),
-# e.g. VARIANT_SED='s/^#pragma unroll 4$/#pragma unroll/' to try the Q.K^T loop fully unrolled.
+# e.g. VARIANT_SED='s/^#pragma unroll 4$/#pragma unroll/' to try the Q.K^T loop fully unrolled; VARIANT_SED2 likewise
+# adds a fourth ("var2").
 set -e
 cd "$(dirname "$0")/../../.."
 out=${1:-build-attn}
 mkdir -p "$out"
 NVCC="${NVCC:-/usr/local/cuda/bin/nvcc} -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -I src --expt-relaxed-constexpr"
-src=src/backend/cuda/kernels_attention.cu
+src=${ATTN_SRC:-src/backend/cuda/kernels_attention.cu}  # ATTN_SRC: build another copy of the file as "new"
 extra=""
 if [ -n "$VARIANT_SED" ]; then
   decl='^void attention(const AttentionArgs& a, cudaStream_t s) {'
@@ -16,5 +17,12 @@ if [ -n "$VARIANT_SED" ]; then
   grep -q attention_v3 "$out/attn_var.cu"
   $NVCC -c "$out/attn_var.cu" -o "$out/attn_var.o"
   extra="-DWITH_V3 $out/attn_var.o"
+fi
+if [ -n "$VARIANT_SED2" ]; then  # a second variant, "var2"
+  decl='^void attention(const AttentionArgs& a, cudaStream_t s) {'
+  sed "$VARIANT_SED2; s/$decl/void attention_v4(const AttentionArgs\& a, cudaStream_t s) {/" $src >"$out/attn_var2.cu"
+  grep -q attention_v4 "$out/attn_var2.cu"
+  $NVCC -c "$out/attn_var2.cu" -o "$out/attn_var2.o"
+  extra="$extra -DWITH_V4 $out/attn_var2.o"
 fi
 $NVCC -cudart static tools/gpu/microbench/attention_bench.cu $src $extra -o "$out/attention_bench"
