@@ -69,7 +69,8 @@ __global__ void route_top_k_k(const float* logits, int E, int k, const float* pe
 // Router logits on CUDA cores in true f32. A block computes a 32-token x 32-expert tile over one of kRouterSplits
 // contiguous k chunks (blockIdx.z); its 4 warp pairs each take a quarter of that chunk, every lane a 4 x 4 register
 // tile fed by 16-byte loads (x and W rows stay in L2: 2.9 + 1.4 MB a layer), and the pairs' sums are added in pair
-// order through shared memory. 128 blocks at the model's 256 x 128 x 2816 (cuBLASLt's f32 GEMM: 17 us, one layer).
+// order through shared memory. 512 blocks at the model's 256 x 128 x 2816 (cuBLASLt's f32 GEMM: 17 us, one layer;
+// a first version with 4 splits and no explicit prefetch took ~35 us: one L2 round trip per k step, 8 warps / SM).
 // Every logit is a fixed-order sum (k ascending within a quarter, quarters, then splits): deterministic.
 constexpr int kRtTile = 32, kRtPairs = 4;
 __global__ void __launch_bounds__(256) router_partial_k(const float* __restrict__ x, int T, int H,
@@ -88,11 +89,7 @@ __global__ void __launch_bounds__(256) router_partial_k(const float* __restrict_
     wr[i] = reinterpret_cast<const float4*>(W + size_t(min(e0 + i, E - 1)) * H);
   }
   float acc[4][4] = {};
-#pragma unroll 4
-  for (int k4 = kb / 4; k4 < ke / 4; ++k4) {
-    float4 xv[4], wv[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) xv[i] = __ldg(xr[i] + k4), wv[i] = __ldg(wr[i] + k4);
+  auto fma16 = [&](const float4 (&xv)[4], const float4 (&wv)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -102,6 +99,24 @@ __global__ void __launch_bounds__(256) router_partial_k(const float* __restrict_
         acc[i][j] = fmaf(xv[i].z, wv[j].z, acc[i][j]);
         acc[i][j] = fmaf(xv[i].w, wv[j].w, acc[i][j]);
       }
+  };
+  // Two register stages: the loads of step k4 + 1 are in flight while step k4 is multiplied.
+  float4 xa[4], wa[4], xb[4], wb[4];
+  const int k4e = ke / 4;
+  int k4 = kb / 4;
+  if (k4 < k4e)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) xa[i] = __ldg(xr[i] + k4), wa[i] = __ldg(wr[i] + k4);
+  for (; k4 < k4e; k4 += 2) {
+    const bool second = k4 + 1 < k4e;
+    if (second)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) xb[i] = __ldg(xr[i] + k4 + 1), wb[i] = __ldg(wr[i] + k4 + 1);
+    fma16(xa, wa);
+    if (k4 + 2 < k4e)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) xa[i] = __ldg(xr[i] + k4 + 2), wa[i] = __ldg(wr[i] + k4 + 2);
+    if (second) fma16(xb, wb);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i)
