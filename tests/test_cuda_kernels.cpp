@@ -296,47 +296,6 @@ TEST(CudaKernels, RouteTopK) {
   }
 }
 
-// router_logits_partial + route_top_k_split: f32 logits against a double CPU dot product (bounded by the f32
-// rounding of sum |x w|), the top-k exactly cpu::route_top_k's on the GPU's own logits, bitwise repeatable.
-TEST(CudaKernels, RouterLogitsSplit) {
-  REQUIRE_GPU();
-  for (auto [T, H, E, k] : {std::tuple{1, 8, 4, 2}, std::tuple{37, 72, 33, 5}, std::tuple{256, 2816, 128, 8},
-                            std::tuple{65, 2816, 128, 8}, std::tuple{70, 200, 260, 9}}) {
-    auto x = rnd(size_t(T) * H, -2, 2), W = rnd(size_t(E) * H, -0.1f, 0.1f), pes = rnd(size_t(E), 0.5f, 1.5f);
-    Dev<float> dx(x.size()), dW(W.size()), dp(pes.size()), part(size_t(kRouterSplits) * T * E), rl(size_t(T) * E);
-    Dev<float> w(size_t(T) * k);
-    Dev<int32_t> idx(size_t(T) * k);
-    dx.put(x), dW.put(W), dp.put(pes);
-    auto run = [&] {
-      router_logits_partial(dx.p, T, H, dW.p, E, part.p, nullptr);
-      route_top_k_split(part.p, kRouterSplits, T, E, k, dp.p, idx.p, w.p, rl.p, nullptr);
-      return std::tuple{rl.get(), idx.get(), w.get()};
-    };
-    auto [gl, gi, gw] = run();
-    for (int t = 0; t < T; ++t)
-      for (int e = 0; e < E; ++e) {
-        double ref = 0, mag = 0;
-        for (int i = 0; i < H; ++i) {
-          ref += double(x[size_t(t) * H + i]) * W[size_t(e) * H + i];
-          mag += std::fabs(double(x[size_t(t) * H + i]) * W[size_t(e) * H + i]);
-        }
-        ASSERT_NEAR(gl[size_t(t) * E + e], ref, 2e-6 * mag + 1e-12) << "T " << T << " H " << H << " E " << E;
-      }
-    for (int t = 0; t < T; ++t) {
-      std::vector<int32_t> ei(static_cast<size_t>(k));
-      std::vector<float> ew(static_cast<size_t>(k));
-      cpu::route_top_k(gl.data() + size_t(t) * E, E, k, pes.data(), ei.data(), ew.data());
-      for (int j = 0; j < k; ++j) {
-        EXPECT_EQ(gi[size_t(t) * k + j], ei[size_t(j)]) << "E " << E << " token " << t << " slot " << j;
-        EXPECT_NEAR(gw[size_t(t) * k + j], ew[size_t(j)], 1e-5f) << "E " << E;
-      }
-    }
-    auto [gl2, gi2, gw2] = run();
-    EXPECT_EQ(0, std::memcmp(gl.data(), gl2.data(), gl.size() * sizeof(float))) << "not bitwise repeatable";
-    EXPECT_EQ(gi, gi2);
-  }
-}
-
 // moe_combine_ffn = the expert combine (ascending expert id) followed by the FFN output norms and residual.
 TEST(CudaKernels, MoeCombineFfn) {
   REQUIRE_GPU();

@@ -45,7 +45,7 @@ struct DevLayer {
 
 struct Scratch {
   int32_t* ids;
-  float *h, *xr, *rl, *rpart, *wk, *y, *sig, *logits;
+  float *h, *xr, *rl, *wk, *y, *sig, *logits;
   bf16 *x, *x1, *xe, *qkv, *q, *kn, *vn, *att, *a, *gu, *actd, *m1, *xs, *acte, *probs;
   int32_t *idx, *offsets, *sorted_pos;
   cuda::DeviceRowStats* stats;
@@ -423,8 +423,8 @@ class CudaBackend final : public Backend {
       gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
     }
     mark(kStDenseMlp);
-    cuda::router_logits_partial(s_.xr, T, H, L.router_w, E, s_.rpart, stream_);
-    cuda::route_top_k_split(s_.rpart, cuda::kRouterSplits, T, E, K, L.pes, s_.idx, s_.wk, s_.rl, stream_);
+    gemm_->linear(s_.xr, Dt::F32, T, L.router_w, Dt::F32, E, H, s_.rl, Dt::F32, stream_);
+    cuda::route_top_k(s_.rl, T, E, K, L.pes, s_.idx, s_.wk, stream_);
     mark(kStRouter);
     if (trace_) {  // debug path only: synchronizes
       std::vector<float> rl(size_t(T) * E);
@@ -508,7 +508,6 @@ class CudaBackend final : public Backend {
     s_.h = ar.take<float>(Tm * H);
     s_.xr = ar.take<float>(Tm * H);
     s_.rl = ar.take<float>(Tm * E);
-    s_.rpart = ar.take<float>(size_t(cuda::kRouterSplits) * Tm * E);
     s_.wk = ar.take<float>(Tm * K);
     // expert rows: T k grouped, or E M padded + Lc k overflow for canvas-sized passes (moe_group_padded)
     const size_t pad_rows = E * size_t(cuda::moe_padded_rows_per_expert(int(Lc), int(K), int(E))) + Lc * K;

@@ -83,15 +83,6 @@ struct AttentionArgs {
 void attention(const AttentionArgs& a, cudaStream_t s);
 
 // ---- MoE (kernels_moe.cu) ----
-// Router logits in true f32 on CUDA cores (the precision policy keeps TF32 away from routing near-ties): the k
-// range is cut into kRouterSplits contiguous chunks, part[s][t][e] = sum over chunk s of x[t, k] W[e, k] in a fixed
-// order; route_top_k_split adds the slabs in slab order. part: kRouterSplits * T * E floats. H % 4 == 0.
-constexpr int kRouterSplits = 16;
-void router_logits_partial(const float* x, int T, int H, const float* W, int E, float* part, cudaStream_t s);
-// route_top_k over logits = part[0] + ... + part[nsplit - 1] (slabs of [T, E]); logits_out (may be null when
-// E <= 256) receives the summed logits.
-void route_top_k_split(const float* part, int nsplit, int T, int E, int k, const float* per_expert_scale,
-                       int32_t* idx, float* w, float* logits_out, cudaStream_t s);
 // Router over f32 logits [T, E]: softmax, top-k (higher prob first, ties -> lower index), renormalized,
 // times per_expert_scale. idx/w: [T, k].
 void route_top_k(const float* logits, int T, int E, int k, const float* per_expert_scale, int32_t* idx, float* w,

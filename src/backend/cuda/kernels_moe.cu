@@ -66,101 +66,21 @@ __global__ void route_top_k_k(const float* logits, int E, int k, const float* pe
   }
 }
 
-// Router logits on CUDA cores in true f32. A block computes a 32-token x 32-expert tile over one of kRouterSplits
-// contiguous k chunks (blockIdx.z); its 4 warp pairs each take a quarter of that chunk, every lane a 4 x 4 register
-// tile fed by 16-byte loads (x and W rows stay in L2: 2.9 + 1.4 MB a layer), and the pairs' sums are added in pair
-// order through shared memory. 512 blocks at the model's 256 x 128 x 2816 (cuBLASLt's f32 GEMM: 17 us, one layer;
-// a first version with 4 splits and no explicit prefetch took ~35 us: one L2 round trip per k step, 8 warps / SM).
-// Every logit is a fixed-order sum (k ascending within a quarter, quarters, then splits): deterministic.
-constexpr int kRtTile = 32, kRtPairs = 4;
-__global__ void __launch_bounds__(256) router_partial_k(const float* __restrict__ x, int T, int H,
-                                                        const float* __restrict__ W, int E, float* __restrict__ part) {
-  __shared__ float red[kRtPairs][kRtTile][kRtTile + 1];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, pair = warp >> 1;
-  const int q = (warp & 1) * 32 + lane, tg = q >> 3, eg = q & 7;
-  const int t0 = blockIdx.x * kRtTile + tg * 4, e0 = blockIdx.y * kRtTile + eg * 4;
-  const int chunk = (H + kRouterSplits * kRtPairs * 4 - 1) / (kRouterSplits * kRtPairs * 4) * 4;
-  const int kb = min(H, (int(blockIdx.z) * kRtPairs + pair) * chunk), ke = min(H, kb + chunk);
-  const float4* xr[4];
-  const float4* wr[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {  // rows past T / E read a valid row; their sums are never stored
-    xr[i] = reinterpret_cast<const float4*>(x + size_t(min(t0 + i, T - 1)) * H);
-    wr[i] = reinterpret_cast<const float4*>(W + size_t(min(e0 + i, E - 1)) * H);
-  }
-  float acc[4][4] = {};
-  auto fma16 = [&](const float4 (&xv)[4], const float4 (&wv)[4]) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        acc[i][j] = fmaf(xv[i].x, wv[j].x, acc[i][j]);
-        acc[i][j] = fmaf(xv[i].y, wv[j].y, acc[i][j]);
-        acc[i][j] = fmaf(xv[i].z, wv[j].z, acc[i][j]);
-        acc[i][j] = fmaf(xv[i].w, wv[j].w, acc[i][j]);
-      }
-  };
-  // Two register stages: the loads of step k4 + 1 are in flight while step k4 is multiplied.
-  float4 xa[4], wa[4], xb[4], wb[4];
-  const int k4e = ke / 4;
-  int k4 = kb / 4;
-  if (k4 < k4e)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) xa[i] = __ldg(xr[i] + k4), wa[i] = __ldg(wr[i] + k4);
-  for (; k4 < k4e; k4 += 2) {
-    const bool second = k4 + 1 < k4e;
-    if (second)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) xb[i] = __ldg(xr[i] + k4 + 1), wb[i] = __ldg(wr[i] + k4 + 1);
-    fma16(xa, wa);
-    if (k4 + 2 < k4e)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) xa[i] = __ldg(xr[i] + k4 + 2), wa[i] = __ldg(wr[i] + k4 + 2);
-    if (second) fma16(xb, wb);
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) red[pair][tg * 4 + i][eg * 4 + j] = acc[i][j];
-  __syncthreads();
-  for (int o = threadIdx.x; o < kRtTile * kRtTile; o += blockDim.x) {
-    const int r = o / kRtTile, c = o % kRtTile, t = blockIdx.x * kRtTile + r, e = blockIdx.y * kRtTile + c;
-    if (t >= T || e >= E) continue;
-    float v = red[0][r][c];
-#pragma unroll
-    for (int pr = 1; pr < kRtPairs; ++pr) v += red[pr][r][c];
-    part[(size_t(blockIdx.z) * T + t) * E + e] = v;
-  }
-}
-
-// Sums nsplit slabs of [T, E] logits in slab order (f32), optionally storing the sum.
-__device__ __forceinline__ float slab_sum(const float* l, size_t stride, int nsplit, size_t at) {
-  float v = l[at];
-  for (int s = 1; s < nsplit; ++s) v += l[at + size_t(s) * stride];
-  return v;
-}
-
-__global__ void sum_slabs_k(const float* part, int nsplit, size_t n, float* out) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    out[i] = slab_sum(part, n, nsplit, i);
-}
-
 // One warp per token, the token's expert probabilities in registers (kPerLane per lane, E <= 32 * kPerLane): no
 // shared memory and no block barriers, where route_top_k_k spends two barriers per selected expert. Same rules:
-// float exp, double sum, p = float(e / sum), ties to the lower index. The logits are the sum of nsplit slabs
-// (router_partial_k), also stored to logits_out when given.
+// float exp, double sum, p = float(e / sum), ties to the lower index.
 constexpr int kPerLane = 8;
-__global__ void route_top_k_warp_k(const float* logits, int nsplit, int T, int E, int k, const float* pes,
-                                   int32_t* idx, float* w, float* logits_out) {
+__global__ void route_top_k_warp_k(const float* logits, int T, int E, int k, const float* pes, int32_t* idx,
+                                   float* w) {
   const int lane = threadIdx.x & 31, t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (t >= T) return;
+  const float* l = logits + size_t(t) * E;
   float p[kPerLane];
   float mx = -INFINITY;
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     const int e = lane + 32 * j;
-    p[j] = e < E ? slab_sum(logits, size_t(T) * E, nsplit, size_t(t) * E + e) : -INFINITY;
-    if (logits_out && e < E) logits_out[size_t(t) * E + e] = p[j];
+    p[j] = e < E ? l[e] : -INFINITY;
     mx = fmaxf(mx, p[j]);
   }
   mx = warp_max(mx);
@@ -370,39 +290,6 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
 
 }  // namespace
 
-void router_logits_partial(const float* x, int T, int H, const float* W, int E, float* part, cudaStream_t s) {
-  if (T == 0) return;
-  if (H % 4 != 0) throw_cuda_error("router_logits_partial", "hidden size must be a multiple of 4", 0, __FILE__, __LINE__);
-  const dim3 grid((T + kRtTile - 1) / kRtTile, (E + kRtTile - 1) / kRtTile, kRouterSplits);
-  router_partial_k<<<grid, 256, 0, s>>>(x, T, H, W, E, part);
-  CUDA_CHECK_LAUNCH();
-}
-
-void route_top_k_split(const float* part, int nsplit, int T, int E, int k, const float* per_expert_scale,
-                       int32_t* idx, float* w, float* logits_out, cudaStream_t s) {
-  if (T == 0) return;
-  if (k > kMaxTopK || k > E || E > 4096 || nsplit < 1)
-    throw_cuda_error("route_top_k", "unsupported expert count / top-k / split count", 0, __FILE__, __LINE__);
-  if (E <= 32 * kPerLane && k <= 32) {
-    constexpr int kWarps = 8;
-    route_top_k_warp_k<<<(T + kWarps - 1) / kWarps, 32 * kWarps, 0, s>>>(part, nsplit, T, E, k, per_expert_scale,
-                                                                         idx, w, logits_out);
-    CUDA_CHECK_LAUNCH();
-    return;
-  }
-  const float* logits = part;
-  if (nsplit > 1) {  // the block kernel reads plain logits: sum the slabs first
-    if (!logits_out)
-      throw_cuda_error("route_top_k_split", "more than 256 experts needs logits_out", 0, __FILE__, __LINE__);
-    sum_slabs_k<<<unsigned((size_t(T) * E + 255) / 256), 256, 0, s>>>(part, nsplit, size_t(T) * E, logits_out);
-    CUDA_CHECK_LAUNCH();
-    logits = logits_out;
-  } else if (logits_out) {
-    CUDA_CHECK(cudaMemcpyAsync(logits_out, part, size_t(T) * E * sizeof(float), cudaMemcpyDeviceToDevice, s));
-  }
-  route_top_k(logits, T, E, k, per_expert_scale, idx, w, s);
-}
-
 void route_top_k(const float* logits, int T, int E, int k, const float* per_expert_scale, int32_t* idx, float* w,
                  cudaStream_t s) {
   if (T == 0) return;
@@ -410,8 +297,7 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
     throw_cuda_error("route_top_k", "unsupported expert count / top-k", 0, __FILE__, __LINE__);
   if (E <= 32 * kPerLane && k <= 32) {
     constexpr int kWarps = 8;
-    route_top_k_warp_k<<<(T + kWarps - 1) / kWarps, 32 * kWarps, 0, s>>>(logits, 1, T, E, k, per_expert_scale, idx,
-                                                                         w, nullptr);
+    route_top_k_warp_k<<<(T + kWarps - 1) / kWarps, 32 * kWarps, 0, s>>>(logits, T, E, k, per_expert_scale, idx, w);
   } else {
     int threads = E >= 1024 ? 1024 : (E + 31) / 32 * 32;
     route_top_k_k<<<T, threads, size_t(E) * sizeof(float), s>>>(logits, E, k, per_expert_scale, idx, w);
