@@ -411,23 +411,31 @@ TEST(CudaKernels, MoePaddedExperts) {
     auto idx = random_routing(T, E, k);
     const size_t rows = size_t(E) * M + idx.size();
     Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(rows * H), act(rows * I);
-    Dev<int32_t> didx(idx.size()), ovf(size_t(E) + 1), spos(idx.size());
+    Dev<int32_t> didx(idx.size()), ovf(size_t(E) + 1), spos(idx.size()), meta(2 * size_t(E) + 1);
     Dev<float> y(rows * H), g(rows * 2 * I), dw(wts.size()), out(size_t(T) * H);
     dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx), dw.put(wts);
-    moe_group_padded(didx.p, T, k, E, dx.p, H, M, ovf.p, spos.p, xs.p, nullptr);
+    moe_group_padded(didx.p, T, k, E, dx.p, H, M, ovf.p, spos.p, xs.p, nullptr, meta.p);
     gemm.linear_batched(xs.p, Dt::BF16, M, dgu.p, Dt::BF16, 2 * I, H, g.p, Dt::F32, E, nullptr);
-    gelu_mul_f32(g.p, E * M, I, act.p, nullptr);
-    moe_gate_up(xs.p, ovf.p, E, T * k, dgu.p, H, I, act.p, nullptr);
+    moe_gelu_mul_padded(g.p, E, M, I, meta.p, act.p, nullptr);
+    moe_gate_up(xs.p, ovf.p, E, T * k, dgu.p, H, I, act.p, nullptr, meta.p);  // overflow rows: listed experts
     gemm.linear_batched(act.p, Dt::BF16, M, ddn.p, Dt::BF16, H, I, y.p, Dt::F32, E, nullptr);
-    moe_down(act.p, ovf.p, E, T * k, ddn.p, H, I, y.p, nullptr);
+    moe_down(act.p, ovf.p, E, T * k, ddn.p, H, I, y.p, nullptr, meta.p);
     moe_combine(y.p, didx.p, dw.p, spos.p, T, k, H, out.p, nullptr);
-    // the overflow rows are exactly the pairs past M of each expert
+    // the overflow rows are exactly the pairs past M of each expert; meta lists those experts and the padded rows
     std::vector<int> cnt(static_cast<size_t>(E), 0);
     for (int e : idx) ++cnt[size_t(e)];
     int overflow = 0;
-    for (int c : cnt) overflow += std::max(0, c - M);
+    std::vector<int32_t> want_list;
+    for (int e = 0; e < E; ++e) {
+      overflow += std::max(0, cnt[size_t(e)] - M);
+      if (cnt[size_t(e)] > M) want_list.push_back(e);
+    }
     auto o = ovf.get();
+    auto mt = meta.get();
     EXPECT_EQ(o[size_t(E)] - o[0], overflow) << "E " << E << " M " << M;
+    ASSERT_EQ(mt[0], int32_t(want_list.size())) << "E " << E << " M " << M;
+    for (size_t j = 0; j < want_list.size(); ++j) EXPECT_EQ(mt[1 + j], want_list[j]);
+    for (int e = 0; e < E; ++e) EXPECT_EQ(mt[size_t(1 + E + e)], std::min(cnt[size_t(e)], M)) << "expert " << e;
     if (M == 16 && E == 16) {
       EXPECT_GT(overflow, 0) << "the case meant to overflow does not";
     }

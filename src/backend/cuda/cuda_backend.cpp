@@ -47,7 +47,7 @@ struct Scratch {
   int32_t* ids;
   float *h, *xr, *rl, *wk, *y, *sig, *logits;
   bf16 *x, *x1, *xe, *qkv, *q, *kn, *vn, *att, *a, *gu, *actd, *m1, *xs, *acte, *probs;
-  int32_t *idx, *offsets, *sorted_pos;
+  int32_t *idx, *offsets, *sorted_pos, *moe_meta;
   cuda::DeviceRowStats* stats;
 };
 
@@ -440,15 +440,16 @@ class CudaBackend final : public Backend {
       // Canvas-sized passes (denoise, commit): experts padded to M rows as one strided-batched cuBLASLt GEMM each
       // (weights stream at ~4.1 instead of ~3.4 TB/s); the rare rows past M go through the grouped kernels.
       const int M = cuda::moe_padded_rows_per_expert(T, K, E);
-      cuda::moe_group_padded(s_.idx, T, K, E, s_.xe, H, M, s_.offsets, s_.sorted_pos, s_.xs, stream_);
+      cuda::moe_group_padded(s_.idx, T, K, E, s_.xe, H, M, s_.offsets, s_.sorted_pos, s_.xs, stream_, s_.moe_meta);
       mark(kStGroup);
-      // gate/up in f32 (in y, free until the down GEMM): one bf16 rounding, of the activation, as the grouped kernels
+      // gate/up in f32 (in y, free until the down GEMM): one bf16 rounding, of the activation, as the grouped kernels.
+      // The overflow rows run on a small grid over the listed experts (moe_group_padded's meta).
       gemm_->linear_batched(s_.xs, Dt::BF16, M, L.exp_gu, Dt::BF16, 2 * Ie, H, s_.y, Dt::F32, E, stream_);
-      cuda::gelu_mul_f32(s_.y, E * M, Ie, s_.acte, stream_);
-      cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, stream_);
+      cuda::moe_gelu_mul_padded(s_.y, E, M, Ie, s_.moe_meta, s_.acte, stream_);
+      cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, stream_, s_.moe_meta);
       mark(kStGateUp);
       gemm_->linear_batched(s_.acte, Dt::BF16, M, L.exp_down, Dt::BF16, H, Ie, s_.y, Dt::F32, E, stream_);
-      cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, stream_);
+      cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, stream_, s_.moe_meta);
       mark(kStDown);
     } else {
       cuda::moe_group(s_.idx, T, K, E, s_.xe, H, s_.offsets, s_.sorted_pos, s_.xs, stream_);
@@ -529,6 +530,7 @@ class CudaBackend final : public Backend {
     s_.idx = ar.take<int32_t>(Tm * K);
     s_.sorted_pos = ar.take<int32_t>(Tm * K);
     s_.offsets = ar.take<int32_t>(E + 1);
+    s_.moe_meta = ar.take<int32_t>(2 * E + 1);
     s_.stats = ar.take<cuda::DeviceRowStats>(Lc);
   }
 

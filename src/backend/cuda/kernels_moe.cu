@@ -1,5 +1,6 @@
 // MoE around the expert GEMMs (kernels_experts.cu): router top-k, token->expert grouping, and the weighted combine
 // in ascending expert id order.
+#include <algorithm>
 #include <cstdint>
 
 #include "backend/cuda/cuda_check.h"
@@ -121,25 +122,43 @@ __global__ void route_top_k_warp_k(const float* logits, int T, int E, int k, con
 // Single block: counts, exclusive scan and row assignment. Expert e's first M pairs go to rows e M .. e M + M - 1,
 // the rest ("overflow") to rows from ovf[e] = E M + (overflow of the experts before e); ovf[E] = end of the overflow
 // rows. M = 0 is the plain grouping: ovf is then the exclusive prefix of the counts (moe_group's offsets).
-__global__ void moe_assign_k(const int32_t* idx, int P, int E, int M, int32_t* ovf, int32_t* sorted_pos) {
+// meta (M > 0, may be null): see moe_group_padded.
+__global__ void moe_assign_k(const int32_t* idx, int P, int E, int M, int32_t* ovf, int32_t* sorted_pos,
+                             int32_t* meta) {
   extern __shared__ int cnt[];  // [E] counts, then cursors
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&cnt[idx[i]], 1);
   __syncthreads();
   if (threadIdx.x == 0) {
-    int run = E * M;
+    int run = E * M, n_ovf = 0;
     for (int e = 0; e < E; ++e) {
       ovf[e] = run;
       run += max(0, cnt[e] - M);
+      if (meta) {
+        if (cnt[e] > M) meta[1 + n_ovf++] = e;
+        meta[1 + E + e] = min(cnt[e], M);
+      }
       cnt[e] = 0;
     }
     ovf[E] = run;
+    if (meta) meta[0] = n_ovf;
   }
   __syncthreads();
   for (int i = threadIdx.x; i < P; i += blockDim.x) {
     const int e = idx[i], slot = atomicAdd(&cnt[e], 1);
     sorted_pos[i] = slot < M ? e * M + slot : ovf[e] + slot - M;
+  }
+}
+
+// act = bf16(gelu_tanh(gate) * up) over the padded rows that hold a pair (slot < valid[e]); gate/up in f32.
+__global__ void moe_gelu_mul_padded_k(const float* gu, int E, int M, int I, const int32_t* valid, bf16* act) {
+  for (int r = blockIdx.y; r < E * M; r += gridDim.y) {
+    if (r % M >= valid[r / M]) continue;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < I; i += gridDim.x * blockDim.x) {
+      const float g = gu[size_t(r) * 2 * I + i], u = gu[size_t(r) * 2 * I + I + i];
+      act[size_t(r) * I + i] = __float2bfloat16(gelu_tanh(g) * u);
+    }
   }
 }
 
@@ -306,9 +325,9 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
 }
 
 void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int M, int32_t* ovf_offsets,
-                      int32_t* sorted_pos, bf16* xs, cudaStream_t s) {
+                      int32_t* sorted_pos, bf16* xs, cudaStream_t s, int32_t* meta) {
   const int P = T * k;
-  moe_assign_k<<<1, 1024, size_t(E) * sizeof(int), s>>>(idx, P, E, M, ovf_offsets, sorted_pos);
+  moe_assign_k<<<1, 1024, size_t(E) * sizeof(int), s>>>(idx, P, E, M, ovf_offsets, sorted_pos, M > 0 ? meta : nullptr);
   CUDA_CHECK_LAUNCH();
   if (P == 0) return;
   moe_gather_k<<<P, 128, 0, s>>>(sorted_pos, k, reinterpret_cast<const uint4*>(x), H / 8, reinterpret_cast<uint4*>(xs));
@@ -317,7 +336,14 @@ void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, in
 
 void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int32_t* offsets, int32_t* sorted_pos,
                bf16* xs, cudaStream_t s) {
-  moe_group_padded(idx, T, k, E, x, H, /*M=*/0, offsets, sorted_pos, xs, s);
+  moe_group_padded(idx, T, k, E, x, H, /*M=*/0, offsets, sorted_pos, xs, s, nullptr);
+}
+
+void moe_gelu_mul_padded(const float* gu, int E, int M, int I, const int32_t* meta, bf16* act, cudaStream_t s) {
+  if (E == 0 || M == 0) return;
+  const dim3 grid(unsigned((I + 255) / 256), unsigned(std::min(E * M, 65535)));
+  moe_gelu_mul_padded_k<<<grid, 256, 0, s>>>(gu, E, M, I, meta + 1 + E, act);
+  CUDA_CHECK_LAUNCH();
 }
 
 void moe_combine(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
