@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -444,41 +445,233 @@ TEST(CudaKernels, MoePaddedExperts) {
   }
 }
 
+// Runs softcap_row_stats on a copy of `logits`; returns the capped logits, the stats and the probs.
+struct RowStatsRun {
+  std::vector<float> capped;
+  std::vector<DeviceRowStats> stats;
+  std::vector<bf16> probs;
+};
+RowStatsRun run_row_stats(const std::vector<float>& logits, int rows, int V, float cap, float T) {
+  Dev<float> dl(logits.size());
+  Dev<DeviceRowStats> st{size_t(rows)};
+  Dev<bf16> probs(logits.size());
+  Dev<char> scratch(softcap_row_stats_scratch_bytes(rows, V));
+  dl.put(logits);
+  softcap_row_stats(dl.p, rows, V, cap, T, st.p, scratch.p, nullptr, probs.p);
+  return {dl.get(), st.get(), probs.get()};
+}
+
 TEST(CudaKernels, SoftcapRowStats) {
   REQUIRE_GPU();
-  const int rows = 4, V = 5003;
-  auto logits = rnd(size_t(rows) * V, -60, 60);
-  for (int i = 0; i < V; ++i) logits[size_t(V) + size_t(i)] = float(i % 7);  // row 1: ties of the max
-  logits[size_t(3) * V + 4000] = 500.0f;                                      // row 3: near one-hot
-  Dev<float> dl(logits.size());
+  // V: not a multiple of 4 (scalar path), a multiple of 4 but not of the 8192-token tile, one tile plus one, the
+  // vocabulary; rows 1, 3, 4 and the canvas of 256.
+  struct Case {
+    int rows, V;
+  };
+  for (Case c : {Case{4, 5003}, Case{1, 8193}, Case{3, 20004}, Case{256, 262144}}) {
+    const int rows = c.rows, V = c.V;
+    auto logits = rnd(size_t(rows) * V, -60, 60);
+    if (rows >= 3) {
+      for (int i = 0; i < V; ++i) logits[size_t(V) + size_t(i)] = float(i % 7);  // row 1: ties of the max across tiles
+      logits[size_t(2) * V + size_t(V - 1)] = 500.0f;                            // row 2: near one-hot, last token
+    }
+    if (rows >= 4) {  // row 3: the same maximum in a later tile and an earlier one: the lower index wins
+      logits[size_t(3) * V + size_t(V - 2)] = 400.0f;
+      logits[size_t(3) * V + 3] = 400.0f;
+    }
+    const float T = 0.61f;
+    auto run = run_row_stats(logits, rows, V, 30.0f, T);
+    auto want_capped = logits;
+    cpu::softcap(want_capped.data(), int64_t(want_capped.size()), 30.0f);
+    EXPECT_LE(rel_err(run.capped, want_capped), 1e-6) << "V " << V;
+    for (int r = 0; r < rows; ++r) {
+      // Stats from the device's own softcapped row, so only the reduction is under test here.
+      RowStats w = compute_row_stats(run.capped.data() + size_t(r) * V, V, T);
+      const DeviceRowStats& g = run.stats[size_t(r)];
+      EXPECT_EQ(g.argmax, w.argmax) << "row " << r << " V " << V;
+      EXPECT_FLOAT_EQ(g.max_z, w.max_z);
+      EXPECT_NEAR(g.logsumexp, w.logsumexp, 1e-5 * std::max(1.0f, std::fabs(w.logsumexp)));
+      EXPECT_NEAR(g.entropy, w.entropy, 1e-5 * std::max(1.0f, w.entropy)) << "row " << r << " V " << V;
+      EXPECT_EQ(g.survivors, -1);
+      EXPECT_NEAR(g.inv_sum, float(std::exp(double(w.max_z) - double(w.logsumexp))), 1e-5 * g.inv_sum);
+    }
+    if (rows >= 4) {
+      EXPECT_EQ(run.stats[1].argmax, 6);
+      EXPECT_EQ(run.stats[2].argmax, V - 1);
+      EXPECT_EQ(run.stats[3].argmax, 3);
+    }
+    // the SC probs written by the same pass: softmax(capped / T), per row, to bf16 rounding
+    auto gp = from_bf16(run.probs);
+    for (int r = 0; r < rows; ++r) {
+      std::vector<float> want(static_cast<size_t>(V)),
+          got_row(gp.begin() + ptrdiff_t(r) * V, gp.begin() + ptrdiff_t(r + 1) * V);
+      const float* cr = run.capped.data() + size_t(r) * V;
+      double mx = -INFINITY, sum = 0;
+      for (int i = 0; i < V; ++i) mx = std::max(mx, double(cr[i] / T));
+      for (int i = 0; i < V; ++i) sum += std::exp(double(cr[i] / T) - mx);
+      for (int i = 0; i < V; ++i) want[size_t(i)] = float(std::exp(double(cr[i] / T) - mx) / sum);
+      EXPECT_LE(rel_err(got_row, want), 8e-3) << "probs row " << r << " V " << V;
+    }
+    // bitwise deterministic: a second run on the same input
+    auto again = run_row_stats(logits, rows, V, 30.0f, T);
+    EXPECT_EQ(std::memcmp(again.capped.data(), run.capped.data(), run.capped.size() * 4), 0);
+    EXPECT_EQ(std::memcmp(again.stats.data(), run.stats.data(), run.stats.size() * sizeof(DeviceRowStats)), 0);
+    EXPECT_EQ(std::memcmp(again.probs.data(), run.probs.data(), run.probs.size() * 2), 0) << "V " << V;
+  }
+  // bad input is refused by value
+  Dev<float> dl(8);
+  Dev<DeviceRowStats> st(1);
+  Dev<char> scratch(softcap_row_stats_scratch_bytes(1, 8));
+  EXPECT_ANY_THROW(softcap_row_stats(dl.p, 1, 0, 30.0f, 1.0f, st.p, scratch.p, nullptr));
+  EXPECT_ANY_THROW(softcap_row_stats(dl.p, 1, 8, 30.0f, 0.0f, st.p, scratch.p, nullptr));
+  EXPECT_ANY_THROW(softcap_row_stats(dl.p, 1, 8, 30.0f, 1.0f, st.p, nullptr, nullptr));
+}
+
+// Host oracle of sc_survivors for one row of capped logits with the given max_z / inv_sum.
+struct ScRowOracle {
+  std::vector<std::vector<int32_t>> kept;  // per tile, ascending, at most kScTileSlots
+  std::vector<int32_t> counts;
+  int survivors = 0;
+  double tail = 0;
+  bool overflow = false;
+};
+ScRowOracle sc_oracle(const float* capped, int V, float T, float M, float inv) {
+  ScRowOracle o;
+  const int tiles = sc_tiles(V);
+  o.kept.resize(size_t(tiles));
+  o.counts.assign(size_t(tiles), 0);
+  for (int i = 0; i < V; ++i) {
+    const float z = capped[i] / T;
+    const size_t t = size_t(i / kScTile);
+    if (z >= M - kScWindow) {
+      ++o.survivors, ++o.counts[t];
+      if (o.kept[t].size() < size_t(kScTileSlots)) o.kept[t].push_back(i);
+    } else {
+      o.tail += double(std::exp(z - M) * inv);
+    }
+  }
+  for (int c : o.counts) o.overflow = o.overflow || c > kScTileSlots;
+  return o;
+}
+
+struct DevSc {
+  Dev<int32_t> ids, counts;
+  Dev<float> p;
+  Dev<double> tail;
+  DevSc(int rows, int V)
+      : ids(size_t(rows) * sc_tiles(V) * kScTileSlots), counts(size_t(rows) * sc_tiles(V)),
+        p(size_t(rows) * sc_tiles(V) * kScTileSlots), tail(size_t(rows) * sc_tiles(V)) {}
+  ScSurvivorBuffers buf() const { return {ids.p, p.p, counts.p, tail.p}; }
+};
+
+TEST(CudaKernels, ScSparseSurvivors) {
+  REQUIRE_GPU();
+  // Pipeline of the backend: softcap_row_stats (probs) -> sc_survivors -> sc_gather_sum, V not a multiple of 4 and
+  // spanning 3 tiles, H = 24.
+  const int rows = 4, V = 20005, H = 24;
+  const float T = 0.7f;
+  auto logits = rnd(size_t(rows) * V, -60, 60);  // row 0: wide random (thousands of survivors, tiles overflow)
+  for (int i = 0; i < V; ++i) logits[size_t(V) + i] = 0.3f * float(i % 5);  // row 1: flat, every token survives
+  for (int i = 0; i < V; ++i) logits[size_t(2) * V + i] = -40.0f + 5.0f * float(i % 3);  // row 2: peaked
+  logits[size_t(2) * V + 17] = 60.0f, logits[size_t(2) * V + 9001] = 59.0f, logits[size_t(2) * V + V - 1] = 58.5f;
+  for (int i = 0; i < V; ++i)  // row 3: 600 survivors, < kScTileSlots per tile, but over a cap of 512
+    logits[size_t(3) * V + i] = i % 33 == 0 ? 30.0f + 0.001f * float(i % 7) : -60.0f;
+  auto E = rnd(size_t(V) * H);
+  Dev<bf16> dE(E.size());
+  dE.put(to_bf16(E));
+  Dev<float> dl(logits.size()), out(size_t(rows) * H), out2(size_t(rows) * H);
   Dev<DeviceRowStats> st(rows);
-  dl.put(logits);
-  const float T = 0.61f;
   Dev<bf16> probs(logits.size());
-  softcap_row_stats(dl.p, rows, V, 30.0f, T, st.p, nullptr, probs.p);
-  auto capped = dl.get();
-  auto want_capped = logits;
-  cpu::softcap(want_capped.data(), int64_t(want_capped.size()), 30.0f);
-  EXPECT_LE(rel_err(capped, want_capped), 1e-6);
-  auto got = st.get();
+  Dev<char> scratch(softcap_row_stats_scratch_bytes(rows, V));
+  dl.put(logits);
+  softcap_row_stats(dl.p, rows, V, 30.0f, T, st.p, scratch.p, nullptr, probs.p);
+  DevSc sc(rows, V);
+  sc_survivors(dl.p, rows, V, T, st.p, sc.buf(), nullptr);
+  sc_gather_sum(sc.buf(), rows, V, dE.p, H, out.p, nullptr);
+  const auto capped = dl.get();
+  const auto stats = st.get();
+  const auto dense = from_bf16(probs.get());
+  const auto ids = sc.ids.get(), counts = sc.counts.get();
+  const auto p = sc.p.get();
+  const auto got = out.get();
+  const int tiles = sc_tiles(V);
   for (int r = 0; r < rows; ++r) {
-    // Stats from the device's own softcapped row, so only the reduction is under test here.
-    RowStats w = compute_row_stats(capped.data() + size_t(r) * V, V, T);
-    EXPECT_EQ(got[size_t(r)].argmax, w.argmax) << "row " << r;
-    EXPECT_FLOAT_EQ(got[size_t(r)].max_z, w.max_z);
-    EXPECT_NEAR(got[size_t(r)].logsumexp, w.logsumexp, 1e-5 * std::max(1.0f, std::fabs(w.logsumexp)));
-    EXPECT_NEAR(got[size_t(r)].entropy, w.entropy, 1e-5 * std::max(1.0f, w.entropy)) << "row " << r;
+    const DeviceRowStats& d = stats[size_t(r)];
+    const auto o = sc_oracle(capped.data() + size_t(r) * V, V, T, d.max_z, d.inv_sum);
+    EXPECT_EQ(d.survivors, o.survivors) << "row " << r;
+    EXPECT_EQ(d.tile_overflow, int(o.overflow)) << "row " << r;
+    EXPECT_NEAR(d.tail_mass, o.tail, 1e-5 * std::max(1e-3, o.tail) + 1e-9) << "row " << r;
+    std::vector<float> want(static_cast<size_t>(H), 0.0f);
+    for (int t = 0; t < tiles; ++t) {
+      const size_t ti = size_t(r) * tiles + t;
+      EXPECT_EQ(counts[ti], o.counts[size_t(t)]) << "row " << r << " tile " << t;
+      for (size_t k = 0; k < o.kept[size_t(t)].size(); ++k) {
+        const int32_t id = ids[ti * kScTileSlots + k];
+        ASSERT_EQ(id, o.kept[size_t(t)][k]) << "row " << r << " tile " << t << " slot " << k;
+        const float pk = p[ti * kScTileSlots + k];
+        // bitwise the bf16 prob of the exact path
+        EXPECT_EQ(pk, dense[size_t(r) * V + size_t(id)]) << "row " << r << " id " << id;
+        for (int h = 0; h < H; ++h) want[size_t(h)] = std::fma(pk, E[size_t(id) * H + h], want[size_t(h)]);
+      }
+    }
+    std::vector<float> got_row(got.begin() + ptrdiff_t(r) * H, got.begin() + ptrdiff_t(r + 1) * H);
+    EXPECT_LE(rel_err(got_row, want), 1e-6) << "row " << r;
+    if (r == 2) {  // peaked: the survivor sum is the exact soft embedding up to the dropped tail
+      EXPECT_TRUE(sc_sparse_row_ok(d, 2048, 1e-3)) << d.survivors << " " << d.tail_mass;
+      std::vector<float> exact(static_cast<size_t>(H), 0.0f);
+      for (int i = 0; i < V; ++i)
+        for (int h = 0; h < H; ++h) exact[size_t(h)] += dense[size_t(r) * V + i] * E[size_t(i) * H + h];
+      for (int h = 0; h < H; ++h) EXPECT_NEAR(got_row[size_t(h)], exact[size_t(h)], d.tail_mass + 1e-5);
+    }
   }
-  // the SC probs written by the same pass: softmax(capped / T), per row, to bf16 rounding
-  auto gp = from_bf16(probs.get());
-  for (int r = 0; r < rows; ++r) {
-    std::vector<float> want(static_cast<size_t>(V)), got_row(gp.begin() + ptrdiff_t(r) * V, gp.begin() + ptrdiff_t(r + 1) * V);
-    double mx = -INFINITY, sum = 0;
-    for (int i = 0; i < V; ++i) mx = std::max(mx, double(capped[size_t(r) * V + i] / T));
-    for (int i = 0; i < V; ++i) sum += std::exp(double(capped[size_t(r) * V + i] / T) - mx);
-    for (int i = 0; i < V; ++i) want[size_t(i)] = float(std::exp(double(capped[size_t(r) * V + i] / T) - mx) / sum);
-    EXPECT_LE(rel_err(got_row, want), 8e-3) << "probs row " << r;
+  EXPECT_GT(stats[0].survivors, 1);
+  EXPECT_EQ(stats[1].survivors, V);  // the flat row: every token, tiles overflow -> the exact path
+  EXPECT_EQ(stats[1].tile_overflow, 1);
+  EXPECT_FALSE(sc_sparse_row_ok(stats[1], 2048, 1e-3));
+  EXPECT_EQ(stats[2].survivors, 3);
+  EXPECT_EQ(stats[3].survivors, (V + 32) / 33);
+  EXPECT_EQ(stats[3].tile_overflow, 0);
+  EXPECT_FALSE(sc_sparse_row_ok(stats[3], 512, 1e-3));  // over the survivor cap
+  EXPECT_TRUE(sc_sparse_row_ok(stats[3], 2048, 1e-3));
+  // determinism: the same survivors and sums again
+  sc_survivors(dl.p, rows, V, T, st.p, sc.buf(), nullptr);
+  sc_gather_sum(sc.buf(), rows, V, dE.p, H, out2.p, nullptr);
+  const auto got2 = out2.get();
+  EXPECT_EQ(std::memcmp(got2.data(), got.data(), got.size() * 4), 0);
+  const auto stats2 = st.get();
+  EXPECT_EQ(std::memcmp(stats2.data(), stats.data(), stats.size() * sizeof(DeviceRowStats)), 0);
+
+  // Ties at the threshold (host-made stats, integer logits at T = 1: z == max_z - 10 exactly survives), rows = 1.
+  {
+    const int V1 = 1001;
+    std::vector<float> z(static_cast<size_t>(V1));
+    for (int i = 0; i < V1; ++i) z[size_t(i)] = float(int(i * 7 % 23) - 17);  // in [-17, 5]
+    double s = 0;
+    for (float x : z) s += std::exp(double(x) - 5.0);
+    DeviceRowStats d{};
+    d.max_z = 5.0f, d.inv_sum = float(1.0 / s);
+    Dev<float> dz(z.size());
+    Dev<DeviceRowStats> st1(1);
+    dz.put(z), st1.put({d});
+    DevSc sc1(1, V1);
+    sc_survivors(dz.p, 1, V1, 1.0f, st1.p, sc1.buf(), nullptr);
+    const auto o = sc_oracle(z.data(), V1, 1.0f, 5.0f, d.inv_sum);
+    int at_threshold = 0;
+    for (float x : z) at_threshold += x == -5.0f;
+    ASSERT_GT(at_threshold, 0);
+    const auto g = st1.get()[0];
+    EXPECT_EQ(g.survivors, o.survivors);
+    const auto gi = sc1.ids.get();
+    const auto gp = sc1.p.get();
+    ASSERT_EQ(size_t(std::min(o.survivors, kScTileSlots)), o.kept[0].size());
+    for (size_t k = 0; k < o.kept[0].size(); ++k) {
+      EXPECT_EQ(gi[k], o.kept[0][k]);
+      const float want = bf16_to_f32(f32_to_bf16(std::exp(z[size_t(gi[k])] - 5.0f) * d.inv_sum));
+      EXPECT_NEAR(gp[k], want, std::ldexp(want, -8));  // host and device expf may differ by an ulp
+    }
   }
+  EXPECT_ANY_THROW(sc_gather_sum(sc.buf(), rows, V, dE.p, 12, out.p, nullptr));  // H not a multiple of 8
+  EXPECT_ANY_THROW(sc_survivors(dl.p, rows, V, 0.0f, st.p, sc.buf(), nullptr));
 }
 
 TEST(CudaKernels, SoftEmbeddingAndGemm) {

@@ -26,11 +26,17 @@ std::string resolve_backend(const std::string& requested) {
   return "cpu";
 }
 
-BackendFactory make_backend_factory(const std::string& requested, const LoadedModel& model, int cpu_threads) {
+BackendFactory make_backend_factory(const std::string& requested, const LoadedModel& model, int cpu_threads,
+                                    bool sc_sparse) {
   const std::string name = resolve_backend(requested);
 #ifdef DIFFGEMMA_WITH_CUDA
-  if (name == "cuda") return [&model] { return make_cuda_backend(model); };
+  if (name == "cuda") {
+    CudaOptions o;
+    o.sc_sparse = sc_sparse;
+    return [&model, o] { return make_cuda_backend(model, o); };
+  }
 #endif
+  if (sc_sparse) fail("--sc-sparse needs the CUDA backend (the {} backend was selected)", name);
   return [&model, cpu_threads] { return make_cpu_backend(model, cpu_threads); };
 }
 

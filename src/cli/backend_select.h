@@ -14,7 +14,9 @@ using BackendFactory = std::function<std::unique_ptr<Backend>()>;
 
 // Returns "cpu" or "cuda"; throws dg::Error for an unknown name or an unavailable cuda.
 std::string resolve_backend(const std::string& requested);
-// `model` must outlive the factory and every backend it makes.
-BackendFactory make_backend_factory(const std::string& requested, const LoadedModel& model, int cpu_threads);
+// `model` must outlive the factory and every backend it makes. sc_sparse: CudaOptions::sc_sparse (`--sc-sparse`,
+// approximate survivor SC on the CUDA backend); refused for the CPU backend.
+BackendFactory make_backend_factory(const std::string& requested, const LoadedModel& model, int cpu_threads,
+                                    bool sc_sparse = false);
 
 }  // namespace dg::cli

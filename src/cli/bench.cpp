@@ -35,6 +35,7 @@ struct BenchArgs {
   bool no_overlap = false;
   int dense_mlp_sms = 0;
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
+  bool sc_sparse = false;  // CudaOptions::sc_sparse
 };
 
 std::vector<int> parse_sizes(const std::string& s) {
@@ -116,6 +117,9 @@ int run_bench(const BenchArgs& args) {
   opt.padded_experts = !grouped_experts;
   opt.overlap_dense_mlp = !args.no_overlap;
   opt.dense_mlp_sms = args.dense_mlp_sms;
+  CudaScStats sc_stats;
+  opt.sc_sparse = args.sc_sparse;
+  opt.sc_stats = &sc_stats;
   std::unique_ptr<LoadedModel> model;
   std::unique_ptr<Backend> be;
   Timer timer;
@@ -144,6 +148,7 @@ int run_bench(const BenchArgs& args) {
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = args.dense_mlp_sms;
   out["experts"] = grouped_experts ? "grouped kernels" : "padded strided-batched cuBLASLt";
+  out["sc"] = args.sc_sparse ? "sparse survivors (exact fallback per step)" : "exact (probs @ E GEMM)";
 
   // Prefill throughput from an empty cache (one untimed warm-up at the smallest size first).
   be->prefill(random_ids(std::min(512, prefills.empty() ? 512 : prefills[0])));
@@ -235,6 +240,18 @@ int run_bench(const BenchArgs& args) {
                  e2e_tokens / (ms / 1e3));
   }
 
+  // Which SC path the PreviousStep steps took. The synthetic weights give near-flat logits (every row far over the
+  // survivor bounds), so there every step falls back to the exact path: say so instead of implying a speedup.
+  if (args.sc_sparse) {
+    out["sc_steps"] = {{"sparse", sc_stats.sparse_steps}, {"exact_fallback", sc_stats.dense_steps},
+                       {"max_survivors_per_row", sc_stats.max_survivors}, {"max_dropped_mass", sc_stats.max_tail}};
+    std::fprintf(stderr, "SC: sparse survivors on %lld steps, exact fallback on %lld (largest row: %d survivors, "
+                 "dropped mass %.3g)%s\n", static_cast<long long>(sc_stats.sparse_steps),
+                 static_cast<long long>(sc_stats.dense_steps), sc_stats.max_survivors, sc_stats.max_tail,
+                 sc_stats.sparse_steps == 0 ? ": every step fell back (near-flat logits), the timings are the exact path's"
+                                            : "");
+  }
+
   if (args.tune_gemm) {  // one line per shape, deduplicated, ready for src/backend/cuda/gemm_tuned.inc
     std::vector<std::string> lines = cuda::gemm_tune_report();
     std::sort(lines.begin(), lines.end());
@@ -247,8 +264,12 @@ int run_bench(const BenchArgs& args) {
   if (json) {
     std::printf("%s\n", out.dump(2).c_str());
   } else {
-    std::printf("device: %s\nweights: %s\nexperts: %s\n\n", info.name.c_str(), out["weights"].get<std::string>().c_str(),
-                out["experts"].get<std::string>().c_str());
+    std::printf("device: %s\nweights: %s\nexperts: %s\nSC: %s\n\n", info.name.c_str(),
+                out["weights"].get<std::string>().c_str(), out["experts"].get<std::string>().c_str(),
+                out["sc"].get<std::string>().c_str());
+    if (out.contains("sc_steps"))
+      std::printf("SC steps: %lld sparse, %lld exact fallback\n\n", static_cast<long long>(sc_stats.sparse_steps),
+                  static_cast<long long>(sc_stats.dense_steps));
     std::printf("| kv context | denoise step (ms) | commit 256 (ms) | tok/s at 16 steps |\n|---:|---:|---:|---:|\n");
     for (int ctx : contexts) {
       auto& d = out["denoise"][std::to_string(ctx)];
@@ -293,6 +314,10 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--grouped-experts", a->grouped_experts,
                                     "A/B: canvas passes through the grouped expert kernels instead of the padded "
                                     "strided-batched GEMMs (CudaOptions::padded_experts = false)");
+                       sub.add_flag("--sc-sparse", a->sc_sparse,
+                                    "approximate SC: gather only each row's survivors (p >= e^-10 p_max) instead of "
+                                    "the GEMM through the whole table; a step falls back to it when a row has too "
+                                    "many survivors or drops > 1e-3 mass (CudaOptions::sc_sparse)");
                        sub.add_flag("--no-overlap", a->no_overlap,
                                     "A/B: the dense MLP on the main stream (CudaOptions::overlap_dense_mlp = false)");
                        sub.add_option("--dense-mlp-sms", a->dense_mlp_sms,

@@ -19,6 +19,7 @@ struct ServeArgs {
   int port = 8080;
   std::string api_key;
   std::string backend = "auto";
+  bool sc_sparse = false;
   int queue_limit = 64;
   size_t max_body = 8u << 20;
   int slots = 4;
@@ -62,7 +63,7 @@ int run_serve(const ServeArgs& a) {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   std::signal(SIGPIPE, SIG_IGN);  // a client closing mid-stream must fail the write, not kill the process
 
-  server::Server server(*model, std::move(tokenizer), make_backend_factory(backend, *model, a.threads), o);
+  server::Server server(*model, std::move(tokenizer), make_backend_factory(backend, *model, a.threads, a.sc_sparse), o);
   const int port = server.bind();
   // The line tests and scripts wait for: the port is known and bound.
   std::printf("diffgemma serve: model '%s' on http://%s:%d (queue limit %d, %d session slots)\n",
@@ -90,6 +91,9 @@ const CommandRegistrar kRegistrar{
       sub.add_option("--port", a->port, "Port (0: any free port, printed at startup)");
       sub.add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' on /v1/*");
       sub.add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)");
+      sub.add_flag("--sc-sparse", a->sc_sparse,
+                   "CUDA: approximate self-conditioning over each row's survivor tokens (p >= e^-10 p_max), exact "
+                   "fallback per step when a row has too many or drops > 1e-3 mass");
       sub.add_option("--queue-limit", a->queue_limit, "Requests that may wait for the engine; beyond it 503");
       sub.add_option("--max-body", a->max_body, "Largest request body in bytes; beyond it 413");
       sub.add_option("--sessions", a->slots, "Conversations whose KV cache is kept for reuse");

@@ -49,6 +49,8 @@ struct Scratch {
   bf16 *x, *x1, *xe, *qkv, *q, *kn, *vn, *att, *a, *gu, *actd, *m1, *xs, *acte, *probs;
   int32_t *idx, *offsets, *sorted_pos, *moe_meta;
   cuda::DeviceRowStats* stats;
+  void* row_stats_scratch;     // softcap_row_stats partials
+  cuda::ScSurvivorBuffers sc;  // sparse SC survivors (CudaOptions::sc_sparse only)
 };
 
 enum class Pass { Encoder, Decoder };
@@ -78,6 +80,12 @@ class CudaBackend final : public Backend {
            cfg_.intermediate_size, cfg_.moe_intermediate_size);
     for (auto& ls : cfg_.layers)
       if (ls.head_dim % 16) fail("CUDA backend: head_dim {} is not a multiple of 16", ls.head_dim);
+    if (opt.sc_sparse && !(opt.sc_sparse_max_survivors > 0))
+      fail("CudaOptions::sc_sparse_max_survivors must be > 0, got {}", opt.sc_sparse_max_survivors);
+    if (opt.sc_sparse && !(opt.sc_sparse_max_total > 0))
+      fail("CudaOptions::sc_sparse_max_total must be > 0, got {}", opt.sc_sparse_max_total);
+    if (opt.sc_sparse && !(opt.sc_sparse_max_tail >= 0 && opt.sc_sparse_max_tail < 1))
+      fail("CudaOptions::sc_sparse_max_tail must be in [0, 1), got {}", opt.sc_sparse_max_tail);
 
     Arena dry;
     layout(dry);
@@ -208,7 +216,7 @@ class CudaBackend final : public Backend {
         if (prev_rows_ != L)
           fail("denoise: SelfCondition::PreviousStep needs a previous denoise of the same canvas length ({} vs {})",
                prev_rows_, L);
-        probs_through_table(L);  // probs = softmax(previous logits / previous T), written by that step's stats pass
+        previous_step_sc(L);  // softmax(previous logits / previous T) @ E, exact or over the survivors
         break;
       case SelfCondition::External:
         if (int64_t(req.sc_logits.size()) != int64_t(L) * V)
@@ -219,6 +227,7 @@ class CudaBackend final : public Backend {
         break;
     }
     prev_rows_ = 0;  // the logits buffer is about to hold this step's logits
+    prev_sc_sparse_ok_ = false;
     const float eps = cfg_.rms_norm_eps;
     if (have_signal) {
       if (req.self_condition != SelfCondition::CanvasEmbedding) cuda::scale_f32(s_.sig, size_t(L) * H, sqrt_h, s_.sig, stream_);
@@ -241,8 +250,10 @@ class CudaBackend final : public Backend {
     gemm_->linear(s_.x, Dt::BF16, L, embed_, Dt::BF16, V, H, s_.logits, Dt::F32, stream_);
     mark(kStLmHead);
     // The probs for a PreviousStep SC input of the next step come out of the same pass (softmax at this T).
-    cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats, stream_,
-                            s_.probs);
+    cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats,
+                            s_.row_stats_scratch, stream_, s_.probs);
+    // Survivors of the next step's sparse SC, with the counts / dropped mass that decide whether it may use them.
+    if (opt_.sc_sparse) cuda::sc_survivors(s_.logits, L, V, req.temperature, s_.stats, s_.sc, stream_);
     CUDA_CHECK(cudaMemcpyAsync(host_stats_, s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats),
                                cudaMemcpyDeviceToHost, stream_));
     mark(kStRowStats);
@@ -259,6 +270,20 @@ class CudaBackend final : public Backend {
     for (int r = 0; r < L; ++r) {
       const auto& d = host_stats_[r];
       out.rows[size_t(r)] = RowStats{d.argmax, d.max_z, d.logsumexp, d.entropy};
+    }
+    if (opt_.sc_sparse) {
+      bool ok = true;
+      int64_t total = 0;
+      for (int r = 0; r < L; ++r) {
+        const auto& d = host_stats_[r];
+        ok = ok && cuda::sc_sparse_row_ok(d, opt_.sc_sparse_max_survivors, opt_.sc_sparse_max_tail);
+        total += d.survivors;
+        if (opt_.sc_stats) {
+          opt_.sc_stats->max_survivors = std::max(opt_.sc_stats->max_survivors, int(d.survivors));
+          opt_.sc_stats->max_tail = std::max(opt_.sc_stats->max_tail, double(d.tail_mass));
+        }
+      }
+      prev_sc_sparse_ok_ = ok && total <= opt_.sc_sparse_max_total;
     }
     prev_rows_ = L;
   }
@@ -362,6 +387,16 @@ class CudaBackend final : public Backend {
   void soft_embedding(int L, float temperature) {
     cuda::softmax_rows_bf16(s_.logits, L, cfg_.vocab_size, temperature, s_.probs, stream_);
     probs_through_table(L);
+  }
+  // The SC signal of a PreviousStep step: the survivor gather when sparse SC is on and every row of the previous
+  // step passed its bounds, else the exact GEMM through the whole table.
+  void previous_step_sc(int L) {
+    const bool sparse = opt_.sc_sparse && prev_sc_sparse_ok_;
+    if (sparse)
+      cuda::sc_gather_sum(s_.sc, L, cfg_.vocab_size, embed_, cfg_.hidden_size, s_.sig, stream_);
+    else
+      probs_through_table(L);
+    if (opt_.sc_sparse && opt_.sc_stats) ++(sparse ? opt_.sc_stats->sparse_steps : opt_.sc_stats->dense_steps);
   }
   void probs_through_table(int L) {
     gemm_->through_table(s_.probs, Dt::BF16, L, embed_, Dt::BF16, cfg_.vocab_size, cfg_.hidden_size, s_.sig, Dt::F32,
@@ -532,6 +567,14 @@ class CudaBackend final : public Backend {
     s_.offsets = ar.take<int32_t>(E + 1);
     s_.moe_meta = ar.take<int32_t>(2 * E + 1);
     s_.stats = ar.take<cuda::DeviceRowStats>(Lc);
+    s_.row_stats_scratch = ar.take<char>(cuda::softcap_row_stats_scratch_bytes(int(Lc), int(V)));
+    if (opt_.sc_sparse) {
+      const size_t tiles = size_t(cuda::sc_tiles(int(V))), slots = Lc * tiles * cuda::kScTileSlots;
+      s_.sc.ids = ar.take<int32_t>(slots);
+      s_.sc.p = ar.take<float>(slots);
+      s_.sc.counts = ar.take<int32_t>(Lc * tiles);
+      s_.sc.tail = ar.take<double>(Lc * tiles);
+    }
   }
 
   void inv_freqs(DevLayer& L, std::vector<float>& f) {
@@ -684,6 +727,7 @@ class CudaBackend final : public Backend {
   cuda::DeviceRowStats* host_stats_ = nullptr;
   int64_t kv_len_ = 0;
   int prev_rows_ = 0;
+  bool prev_sc_sparse_ok_ = false;  // the previous step's survivors may serve this step's SC (sc_sparse)
   LayerTrace* trace_ = nullptr;
   bool timing_ = false;  // this denoise records CudaStageTimes marks
   std::vector<cudaEvent_t> events_;

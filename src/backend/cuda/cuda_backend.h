@@ -22,6 +22,15 @@ struct CudaStageTimes {
   void reset() { steps = 0, ms.clear(); }
 };
 
+// Which self-conditioning path the PreviousStep steps took (CudaOptions::sc_stats; `diffgemma bench --sc-sparse`).
+struct CudaScStats {
+  int64_t sparse_steps = 0;  // survivor gather
+  int64_t dense_steps = 0;   // exact GEMM through the whole table (sc_sparse on, but a row failed the bounds)
+  int max_survivors = 0;     // largest survivor count of a row seen (over all steps' rows)
+  double max_tail = 0;       // largest dropped mass of a row seen
+  void reset() { *this = CudaScStats{}; }
+};
+
 struct CudaOptions {
   int device = 0;
   // Positions the full-attention layers can hold (prompt + committed canvases); prefill beyond it fails clearly.
@@ -46,6 +55,18 @@ struct CudaOptions {
   // (cuBLASLt's Hopper kernels otherwise take every SM and the two branches serialize).
   bool overlap_dense_mlp = true;
   int dense_mlp_sms = 0;
+  // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
+  // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)
+  // instead of the dense GEMM of the probs through the whole [V, H] table (~0.58 ms). The step falls back to the
+  // exact path when any row of the previous step had more than sc_sparse_max_survivors survivors, more than
+  // kScTileSlots in one 8192-token tile, or dropped more than sc_sparse_max_tail probability mass, or when all rows
+  // together had more than sc_sparse_max_total survivors: the gather reads H bf16 per survivor, ~0.37 ms at 1024
+  // per row on the H200 (tools/gpu/microbench/rowstats_bench.cu), where the exact GEMM takes ~0.45. `--sc-sparse`.
+  bool sc_sparse = false;
+  int sc_sparse_max_survivors = 2048;
+  int64_t sc_sparse_max_total = 131072;
+  double sc_sparse_max_tail = 1e-3;
+  CudaScStats* sc_stats = nullptr;  // not owned; counts the path of every PreviousStep step while sc_sparse
 };
 
 // `model` must outlive the backend; its weights are uploaded once (as bf16) and not read again.

@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace dg::cuda {
@@ -45,14 +46,24 @@ void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k
 void kv_write(const bf16* k_new, const bf16* v_new, int T, int row, int64_t pos0, bf16* k_cache, bf16* v_cache,
               int64_t cap, cudaStream_t s);
 
-// In place: logits = cap * tanh(logits / cap) and per-row stats of z = logits / T (dg::compute_row_stats).
-// probs != nullptr: also probs = softmax(z) as bf16 (what softmax_rows_bf16 gives for the capped logits at T).
+// In place: logits = cap * tanh(logits / cap) and per-row stats of z = logits / T (dg::compute_row_stats: argmax with
+// ties -> lower index, max_z, logsumexp, entropy with double accumulation). probs != nullptr: also
+// probs = bf16(expf(z - max_z) * inv_sum), softmax(z) as bf16 (the next step's SC input). Bitwise deterministic.
+// scratch: device memory of softcap_row_stats_scratch_bytes(rows, V) bytes (per-tile partials), owned by the caller;
+// two calls must not share it concurrently.
 struct DeviceRowStats {
   int32_t argmax;
   float max_z, logsumexp, entropy;
+  float inv_sum;  // float(1 / sum_i exp(z_i - max_z)), the factor of the probs above
+  // Written by sc_survivors only (softcap_row_stats sets -1, 0, 0): the row's survivors (z >= max_z - 10), the
+  // probability mass of the other tokens, and 1 when a tile had more survivors than its kScTileSlots.
+  int32_t survivors;
+  float tail_mass;
+  int32_t tile_overflow;
 };
+size_t softcap_row_stats_scratch_bytes(int rows, int V);
 void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
-                       cudaStream_t s, bf16* probs = nullptr);
+                       void* scratch, cudaStream_t s, bf16* probs = nullptr);
 // probs[r, :] = softmax(logits[r, :] / temperature) as bf16 (temperature 1 for already-tempered input).
 void softmax_rows_bf16(const float* logits, int rows, int V, float temperature, bf16* probs, cudaStream_t s);
 // out = in * scale (f32, in place allowed)
@@ -62,6 +73,34 @@ void scale_f32(const float* in, size_t n, float scale, float* out, cudaStream_t 
 void fill_uniform_bf16(bf16* p, size_t n, uint64_t seed, float scale, float offset, cudaStream_t s);
 void fill_uniform_f32(float* p, size_t n, uint64_t seed, float scale, float offset, cudaStream_t s);
 void convert_bf16_to_f32(const bf16* in, size_t n, float* out, cudaStream_t s);
+
+// ---- sparse self-conditioning (kernels_sc.cu) ----
+// The SC soft embedding probs @ E restricted to each row's "survivors", the tokens with z >= max_z - kScWindow
+// (f32 compare; i.e. p >= e^-10 p_max), an approximation that drops the tail. p of a survivor is exactly the bf16
+// value softcap_row_stats writes to probs (bf16(expf(z - max_z) * inv_sum)), held as f32.
+// Survivors are compacted per tile of kScTile tokens into kScTileSlots slots each, in ascending token id.
+constexpr int kScTile = 8192;
+constexpr int kScTileSlots = 512;
+constexpr float kScWindow = 10.0f;
+inline int sc_tiles(int V) { return (V + kScTile - 1) / kScTile; }
+struct ScSurvivorBuffers {
+  int32_t* ids;     // [rows, sc_tiles(V), kScTileSlots]
+  float* p;         // [rows, sc_tiles(V), kScTileSlots]
+  int32_t* counts;  // [rows, sc_tiles(V)] survivors of the tile (may exceed kScTileSlots: then only the first kept)
+  double* tail;     // [rows, sc_tiles(V)] sum of the tile's non-survivor p (f32 p before the bf16 rounding, double sum)
+};
+// From the capped logits [rows, V] at `temperature` and the stats softcap_row_stats wrote for them (max_z, inv_sum):
+// compacts the survivors and sets stats[r].survivors / tail_mass / tile_overflow (tail: fixed-order double sum).
+void sc_survivors(const float* logits, int rows, int V, float temperature, DeviceRowStats* stats,
+                  const ScSurvivorBuffers& b, cudaStream_t s);
+// Whether a row's survivors (after sc_survivors) may stand in for its full softmax: no tile overflowed, at least one
+// and at most max_survivors survivors, dropped mass <= max_tail (a NaN mass fails).
+inline bool sc_sparse_row_ok(const DeviceRowStats& d, int max_survivors, double max_tail) {
+  return d.tile_overflow == 0 && d.survivors >= 1 && d.survivors <= max_survivors && double(d.tail_mass) <= max_tail;
+}
+// out[r, :] = sum over the row's kept survivors in ascending token id of p * E[id, :] (f32, sequential per column:
+// deterministic). E: [V, H] bf16, H % 8 == 0.
+void sc_gather_sum(const ScSurvivorBuffers& b, int rows, int V, const bf16* E, int H, float* out, cudaStream_t s);
 
 // ---- attention (kernels_attention.cu) ----
 // Queries: q [T, nh, D] at positions q_pos0 + t. Keys: the concatenation of n_old cached keys (ring of cap slots,
