@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <utility>
@@ -24,6 +25,7 @@
 #include "backend/cuda/cuda_device.h"
 #include "conditioned_case.h"
 #include "model/weights.h"
+#include "util/error.h"
 #include "util/mmap_file.h"
 #include "cuda_test_options.h"
 
@@ -439,6 +441,54 @@ TEST(CudaParity, ConditionedGenerationIdentical) {
   EXPECT_EQ(rg.stop_token, rc.stop_token);
   EXPECT_EQ(rg.finish, rc.finish);
   EXPECT_EQ(rg.forwards, rc.forwards);
+}
+
+// Backends over one upload of the weights (server session slots) are independent: interleaved generations on two
+// of them give, bit for bit, what a backend with its own weights gives for each alone.
+TEST(CudaParity, SharedWeightsBackendsIndependent) {
+  auto info = cuda::query_device(0);
+  if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
+  auto model = load_model(conditioned::fixture_dir());
+  const auto o = conditioned::options(*model);
+  const auto prompt_a = conditioned::prompt();
+  std::vector<int32_t> prompt_b(prompt_a.rbegin(), prompt_a.rend());
+  CudaOptions opt = cuda_test_options();
+  opt.max_context = 1024;
+  opt.progress = false;
+  auto alone_a = diffusion::generate(*make_cuda_backend(*model, opt), prompt_a, o);
+  auto alone_b = diffusion::generate(*make_cuda_backend(*model, opt), prompt_b, o);
+
+  auto weights = upload_cuda_weights(*model, opt);
+  auto slot_a = make_cuda_backend(weights, opt), slot_b = make_cuda_backend(weights, opt);
+  auto first_b = diffusion::generate(*slot_b, prompt_b, o);  // slot b runs first, then a, then b again
+  auto shared_a = diffusion::generate(*slot_a, prompt_a, o);
+  slot_b->truncate(0);
+  auto shared_b = diffusion::generate(*slot_b, prompt_b, o);
+  EXPECT_EQ(shared_a.ids, alone_a.ids);
+  EXPECT_EQ(shared_a.forwards, alone_a.forwards);
+  EXPECT_EQ(first_b.ids, alone_b.ids);
+  EXPECT_EQ(shared_b.ids, alone_b.ids);
+  EXPECT_EQ(shared_b.forwards, alone_b.forwards);
+  {  // and the logits of one denoise, bitwise
+    std::vector<int32_t> canvas;
+    for (int i = 0; i < model->config.canvas_length; ++i) canvas.push_back(int32_t(7 + (i * 31) % 200));
+    DenoiseRequest req;
+    req.canvas = canvas;
+    req.temperature = 0.8f;
+    req.want_logits = true;
+    auto own = make_cuda_backend(*model, opt);
+    own->prefill(prompt_a);
+    slot_a->truncate(0);
+    slot_a->prefill(prompt_a);
+    DenoiseResult x, y;
+    own->denoise(req, x);
+    slot_a->denoise(req, y);
+    ASSERT_EQ(x.logits.size(), y.logits.size());
+    EXPECT_EQ(0, std::memcmp(x.logits.data(), y.logits.data(), x.logits.size() * sizeof(float)));
+  }
+  CudaOptions other = opt;
+  other.device = 1;
+  EXPECT_THROW(make_cuda_backend(weights, other), Error) << "a backend on another device than its weights";
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaParity, ::testing::ValuesIn(kFixtures),

@@ -1,6 +1,8 @@
 #include "cli/backend_select.h"
 
 #include <cstdio>
+#include <memory>
+#include <mutex>
 
 #include "backend/cpu/cpu_backend.h"
 #include "util/error.h"
@@ -27,13 +29,25 @@ std::string resolve_backend(const std::string& requested) {
 }
 
 BackendFactory make_backend_factory(const std::string& requested, const LoadedModel& model, int cpu_threads,
-                                    bool sc_sparse) {
+                                    bool sc_sparse, int64_t max_context) {
   const std::string name = resolve_backend(requested);
 #ifdef DIFFGEMMA_WITH_CUDA
   if (name == "cuda") {
     CudaOptions o;
     o.sc_sparse = sc_sparse;
-    return [&model, o] { return make_cuda_backend(model, o); };
+    if (max_context > 0) o.max_context = max_context + 2 * int64_t(model.config.canvas_length);
+    // Every backend of this factory (a server's session slots, a re-prefilled slot) shares one upload of the
+    // weights, made by the first call; the factory and the backends keep it alive.
+    struct Shared {
+      std::mutex mu;
+      std::shared_ptr<CudaWeights> weights;
+    };
+    auto shared = std::make_shared<Shared>();
+    return [&model, o, shared] {
+      std::lock_guard<std::mutex> lock(shared->mu);
+      if (!shared->weights) shared->weights = upload_cuda_weights(model, o);
+      return make_cuda_backend(shared->weights, o);
+    };
   }
 #endif
   if (sc_sparse) fail("--sc-sparse needs the CUDA backend (the {} backend was selected)", name);

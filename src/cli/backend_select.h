@@ -15,8 +15,10 @@ using BackendFactory = std::function<std::unique_ptr<Backend>()>;
 // Returns "cpu" or "cuda"; throws dg::Error for an unknown name or an unavailable cuda.
 std::string resolve_backend(const std::string& requested);
 // `model` must outlive the factory and every backend it makes. sc_sparse: CudaOptions::sc_sparse (`--sc-sparse`,
-// approximate survivor SC on the CUDA backend); refused for the CPU backend.
+// approximate survivor SC on the CUDA backend); refused for the CPU backend. max_context > 0: the most positions a
+// request can reach (a server's --ctx-size); CUDA KV caches are sized for it plus two canvases instead of the
+// default 33K, so more session slots fit. CUDA backends of one factory share one upload of the weights.
 BackendFactory make_backend_factory(const std::string& requested, const LoadedModel& model, int cpu_threads,
-                                    bool sc_sparse = false);
+                                    bool sc_sparse = false, int64_t max_context = 0);
 
 }  // namespace dg::cli

@@ -45,10 +45,8 @@ int run_serve(const ServeArgs& a) {
   o.max_body = a.max_body;
   o.queue_limit = a.queue_limit;
   const std::string backend = resolve_backend(a.backend);
-  // Each session slot owns a backend; on the GPU that is a full weight copy, so CUDA serves one slot for now.
-  o.slots = backend == "cuda" ? 1 : a.slots;
-  if (backend == "cuda" && a.slots > 1)
-    std::fprintf(stderr, "note: --backend cuda keeps 1 session slot (each slot would hold its own weight copy)\n");
+  // Each session slot owns a backend (its KV cache and scratch); CUDA slots share one copy of the weights.
+  o.slots = a.slots;
   o.model_id = a.model_id;
   o.max_context = a.max_context;
   o.default_max_tokens = a.default_max_tokens;
@@ -63,7 +61,8 @@ int run_serve(const ServeArgs& a) {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   std::signal(SIGPIPE, SIG_IGN);  // a client closing mid-stream must fail the write, not kill the process
 
-  server::Server server(*model, std::move(tokenizer), make_backend_factory(backend, *model, a.threads, a.sc_sparse), o);
+  server::Server server(*model, std::move(tokenizer),
+                        make_backend_factory(backend, *model, a.threads, a.sc_sparse, a.max_context), o);
   const int port = server.bind();
   // The line tests and scripts wait for: the port is known and bound.
   std::printf("diffgemma serve: model '%s' on http://%s:%d (queue limit %d, %d session slots)\n",

@@ -53,6 +53,225 @@ struct Scratch {
   cuda::ScSurvivorBuffers sc;  // sparse SC survivors (CudaOptions::sc_sparse only)
 };
 
+}  // namespace
+
+// Device weights: one arena, filled once (upload from a LoadedModel, or synthesized on the GPU), read-only after;
+// shared by every CudaBackend made from it.
+class CudaWeights {
+ public:
+  CudaWeights(const LoadedModel* model, const ModelConfig& cfg, uint64_t seed, const CudaOptions& opt)
+      : cfg_(cfg), device_(opt.device), progress_(opt.progress) {
+    CUDA_CHECK(cudaSetDevice(opt.device));
+    if (cfg_.hidden_size % 8 || cfg_.moe_intermediate_size % 8 || cfg_.intermediate_size % 8)
+      fail("CUDA backend: hidden/intermediate sizes must be multiples of 8 (got {}, {}, {})", cfg_.hidden_size,
+           cfg_.intermediate_size, cfg_.moe_intermediate_size);
+    for (auto& ls : cfg_.layers)
+      if (ls.head_dim % 16) fail("CUDA backend: head_dim {} is not a multiple of 16", ls.head_dim);
+    Arena dry;
+    layout(dry);
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    const size_t need = dry.used + (size_t(64) << 20);
+    if (need > free_b)
+      fail("the model's weights need {:.2f} GiB of GPU memory as bf16 but only {:.2f} of {:.2f} GiB are free",
+           double(need) / (1 << 30), double(free_b) / (1 << 30), double(total_b) / (1 << 30));
+    CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
+    layout(arena_);
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    try {
+      if (model)
+        upload(*model);
+      else
+        synthesize(seed);
+    } catch (...) {
+      cudaStreamDestroy(stream_);
+      cudaFree(arena_.base);
+      throw;
+    }
+    CUDA_CHECK(cudaStreamDestroy(stream_));
+    stream_ = nullptr;
+  }
+  ~CudaWeights() { cudaFree(arena_.base); }
+  CudaWeights(const CudaWeights&) = delete;
+  CudaWeights& operator=(const CudaWeights&) = delete;
+
+  // Public to CudaBackend (this class is opaque outside this file): read-only once constructed.
+  void layout(Arena& ar) {
+    const size_t H = size_t(cfg_.hidden_size), V = size_t(cfg_.vocab_size), Id = size_t(cfg_.intermediate_size);
+    const size_t Ie = size_t(cfg_.moe_intermediate_size), E = size_t(cfg_.num_experts), nh = size_t(cfg_.num_heads);
+    embed_ = ar.take<bf16>(V * H);
+    final_norm_ = ar.take<float>(H);
+    sc_pre_norm_ = ar.take<float>(H);
+    sc_gu_ = ar.take<bf16>(2 * Id * H);
+    sc_down_ = ar.take<bf16>(H * Id);
+    layers_.resize(size_t(cfg_.num_layers));
+    for (int l = 0; l < cfg_.num_layers; ++l) {
+      DevLayer& L = layers_[size_t(l)];
+      L.shape = cfg_.layers[size_t(l)];
+      const size_t D = size_t(L.shape.head_dim), nkv = size_t(L.shape.n_kv_heads);
+      L.nqkv = int((nh + (L.shape.has_v_proj ? 2 : 1) * nkv) * D);
+      L.wqkv = ar.take<bf16>(size_t(L.nqkv) * H);
+      L.wo = ar.take<bf16>(H * nh * D);
+      L.dense_gu = ar.take<bf16>(2 * Id * H);
+      L.dense_down = ar.take<bf16>(H * Id);
+      L.exp_gu = ar.take<bf16>(E * 2 * Ie * H);
+      L.exp_down = ar.take<bf16>(E * H * Ie);
+      L.q_norm = ar.take<float>(D);
+      L.k_norm = ar.take<float>(D);
+      for (float** p : {&L.input_norm, &L.post_attn, &L.pre_ff, &L.post_ff1, &L.pre_ff2, &L.post_ff2, &L.post_ff,
+                        &L.router_scale})
+        *p = ar.take<float>(H);
+      L.router_w = ar.take<float>(E * H);
+      L.pes = ar.take<float>(E);
+      L.inv_freq = ar.take<float>(D / 2);
+    }
+  }
+
+  void inv_freqs(DevLayer& L, std::vector<float>& f) {
+    const RopeParams& rp = L.shape.rope;
+    f.assign(size_t(L.shape.head_dim / 2), 0.0f);
+    for (int i = 0; i < rp.rotated_pairs; ++i)
+      f[size_t(i)] = float(1.0 / std::pow(double(rp.theta), 2.0 * i / double(rp.exponent_dim)));
+  }
+
+  // Converts host tensors through one pinned staging buffer, chunk by chunk.
+  struct Stager {
+    cudaStream_t stream;
+    void* pinned = nullptr;
+    size_t bytes = size_t(64) << 20;
+    size_t done = 0, total = 0;
+    bool progress = true;
+    int last_pct = -1;
+    std::vector<float> tmp;
+    explicit Stager(cudaStream_t s, size_t total_bytes, bool show) : stream(s), total(total_bytes), progress(show) {
+      CUDA_CHECK(cudaMallocHost(&pinned, bytes));
+    }
+    ~Stager() { cudaFreeHost(pinned); }
+    void put(const TensorView& t, void* dst, Dt dt, size_t elem_offset = 0) {
+      const size_t n = size_t(t.numel()), es = dt == Dt::BF16 ? 2 : 4, per = bytes / es;
+      const size_t src_es = dtype_size(t.dtype);
+      for (size_t i = 0; i < n; i += per) {
+        const size_t m = std::min(per, n - i);
+        CUDA_CHECK(cudaStreamSynchronize(stream));  // the staging buffer is free again
+        const uint8_t* src = t.data + i * src_es;
+        if (dt == Dt::BF16 && t.dtype == DType::BF16) {
+          std::memcpy(pinned, src, m * 2);
+        } else {
+          tmp.resize(m);
+          convert_to_f32(t.dtype, src, tmp.data(), m);
+          if (dt == Dt::F32) {
+            std::memcpy(pinned, tmp.data(), m * 4);
+          } else {
+            auto* o = static_cast<uint16_t*>(pinned);
+            for (size_t j = 0; j < m; ++j) o[j] = f32_to_bf16(tmp[j]);
+          }
+        }
+        CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + (elem_offset + i) * es, pinned, m * es,
+                                   cudaMemcpyHostToDevice, stream));
+        done += m * src_es;
+        int pct = total ? int(100.0 * double(done) / double(total)) : 100;
+        if (progress && pct != last_pct && pct % 5 == 0) {
+          std::fprintf(stderr, "\rcuda: uploading weights %3d%% (%.1f / %.1f GiB)", pct, double(done) / (1 << 30),
+                       double(total) / (1 << 30));
+          last_pct = pct;
+        }
+      }
+    }
+  };
+
+  void upload(const LoadedModel& m) {
+    const ModelWeights& w = m.weights;
+    size_t total = 0;
+    for (auto& [name, t] : m.checkpoint->all()) total += t->nbytes;
+    Stager st(stream_, total, progress_);
+    const size_t H = size_t(cfg_.hidden_size), Id = size_t(cfg_.intermediate_size), nh = size_t(cfg_.num_heads);
+    st.put(*w.embed, embed_, Dt::BF16);
+    st.put(*w.final_norm, final_norm_, Dt::F32);
+    st.put(*w.sc_pre_norm, sc_pre_norm_, Dt::F32);
+    st.put(*w.sc_gate, sc_gu_, Dt::BF16);
+    st.put(*w.sc_up, sc_gu_, Dt::BF16, Id * H);
+    st.put(*w.sc_down, sc_down_, Dt::BF16);
+    std::vector<float> f;
+    for (int l = 0; l < cfg_.num_layers; ++l) {
+      DevLayer& L = layers_[size_t(l)];
+      const LayerWeights& lw = w.layers[size_t(l)];
+      const size_t D = size_t(L.shape.head_dim), nkv = size_t(L.shape.n_kv_heads);
+      st.put(*lw.q_proj, L.wqkv, Dt::BF16);
+      st.put(*lw.k_proj, L.wqkv, Dt::BF16, nh * D * H);
+      if (lw.v_proj) st.put(*lw.v_proj, L.wqkv, Dt::BF16, (nh + nkv) * D * H);
+      st.put(*lw.o_proj, L.wo, Dt::BF16);
+      st.put(*lw.mlp_gate, L.dense_gu, Dt::BF16);
+      st.put(*lw.mlp_up, L.dense_gu, Dt::BF16, Id * H);
+      st.put(*lw.mlp_down, L.dense_down, Dt::BF16);
+      st.put(*lw.experts_gate_up, L.exp_gu, Dt::BF16);
+      st.put(*lw.experts_down, L.exp_down, Dt::BF16);
+      st.put(*lw.q_norm, L.q_norm, Dt::F32);
+      st.put(*lw.k_norm, L.k_norm, Dt::F32);
+      st.put(*lw.input_norm, L.input_norm, Dt::F32);
+      st.put(*lw.post_attn_norm, L.post_attn, Dt::F32);
+      st.put(*lw.pre_ff_norm, L.pre_ff, Dt::F32);
+      st.put(*lw.post_ff_norm_1, L.post_ff1, Dt::F32);
+      st.put(*lw.pre_ff_norm_2, L.pre_ff2, Dt::F32);
+      st.put(*lw.post_ff_norm_2, L.post_ff2, Dt::F32);
+      st.put(*lw.post_ff_norm, L.post_ff, Dt::F32);
+      st.put(*lw.router_proj, L.router_w, Dt::F32);
+      st.put(*lw.router_scale, L.router_scale, Dt::F32);
+      st.put(*lw.per_expert_scale, L.pes, Dt::F32);
+      L.enc_scalar = lw.encoder_layer_scalar->to_f32()[0];
+      L.dec_scalar = lw.decoder_layer_scalar->to_f32()[0];
+      inv_freqs(L, f);
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      CUDA_CHECK(cudaMemcpy(L.inv_freq, f.data(), f.size() * 4, cudaMemcpyHostToDevice));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (progress_) std::fprintf(stderr, "\n");
+  }
+
+  void synthesize(uint64_t seed) {
+    const size_t H = size_t(cfg_.hidden_size), V = size_t(cfg_.vocab_size), Id = size_t(cfg_.intermediate_size);
+    const size_t Ie = size_t(cfg_.moe_intermediate_size), E = size_t(cfg_.num_experts), nh = size_t(cfg_.num_heads);
+    uint64_t k = seed * 1000003ull;
+    auto wb = [&](bf16* p, size_t n, size_t fan_in) {
+      cuda::fill_uniform_bf16(p, n, ++k, float(1.0 / std::sqrt(double(fan_in))), 0.0f, stream_);
+    };
+    auto nf = [&](float* p, size_t n) { cuda::fill_uniform_f32(p, n, ++k, 0.25f, 1.0f, stream_); };
+    cuda::fill_uniform_bf16(embed_, V * H, ++k, 0.05f, 0.0f, stream_);
+    nf(final_norm_, H);
+    nf(sc_pre_norm_, H);
+    wb(sc_gu_, 2 * Id * H, H);
+    wb(sc_down_, H * Id, Id);
+    std::vector<float> f;
+    for (auto& L : layers_) {
+      const size_t D = size_t(L.shape.head_dim);
+      wb(L.wqkv, size_t(L.nqkv) * H, H);
+      wb(L.wo, H * nh * D, nh * D);
+      wb(L.dense_gu, 2 * Id * H, H);
+      wb(L.dense_down, H * Id, Id);
+      wb(L.exp_gu, E * 2 * Ie * H, H);
+      wb(L.exp_down, E * H * Ie, Ie);
+      for (float* p : {L.q_norm, L.k_norm}) nf(p, D);
+      for (float* p : {L.input_norm, L.post_attn, L.pre_ff, L.post_ff1, L.pre_ff2, L.post_ff2, L.post_ff, L.router_scale})
+        nf(p, H);
+      cuda::fill_uniform_f32(L.router_w, E * H, ++k, 1.0f / std::sqrt(float(H)), 0.0f, stream_);
+      nf(L.pes, E);
+      inv_freqs(L, f);
+      CUDA_CHECK(cudaMemcpy(L.inv_freq, f.data(), f.size() * 4, cudaMemcpyHostToDevice));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  ModelConfig cfg_;
+  int device_ = 0;
+  bool progress_ = true;
+  cudaStream_t stream_ = nullptr;  // uploads only
+  Arena arena_;
+  bf16 *embed_ = nullptr, *sc_gu_ = nullptr, *sc_down_ = nullptr;
+  float *final_norm_ = nullptr, *sc_pre_norm_ = nullptr;
+  std::vector<DevLayer> layers_;  // weight pointers only (no KV)
+};
+
+namespace {
+
 enum class Pass { Encoder, Decoder };
 
 // Stages of a denoise step for CudaStageTimes (the time since the previous mark goes to the named stage).
@@ -66,20 +285,21 @@ constexpr const char* kStageNames[kNumStages] = {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const LoadedModel* model, const ModelConfig& cfg, uint64_t seed, const CudaOptions& opt)
-      : model_(model), cfg_(cfg), opt_(opt) {
+  CudaBackend(std::shared_ptr<const CudaWeights> weights, const CudaOptions& opt)
+      : weights_(std::move(weights)), cfg_(weights_->cfg_), opt_(opt) {
+    if (opt.device != weights_->device_)
+      fail("CudaOptions::device {} differs from the device {} that holds the shared weights", opt.device,
+           weights_->device_);
     CUDA_CHECK(cudaSetDevice(opt.device));
+    embed_ = weights_->embed_, sc_gu_ = weights_->sc_gu_, sc_down_ = weights_->sc_down_;
+    final_norm_ = weights_->final_norm_, sc_pre_norm_ = weights_->sc_pre_norm_;
+    layers_ = weights_->layers_;  // weight pointers; the KV regions are this backend's (layout)
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     tm_ = std::max(opt.prefill_chunk, cfg_.canvas_length);
     if (opt.sliding_rewind < 0) fail("CudaOptions::sliding_rewind must be >= 0");
-    if (cfg_.hidden_size % 8 || cfg_.moe_intermediate_size % 8 || cfg_.intermediate_size % 8)
-      fail("CUDA backend: hidden/intermediate sizes must be multiples of 8 (got {}, {}, {})", cfg_.hidden_size,
-           cfg_.intermediate_size, cfg_.moe_intermediate_size);
-    for (auto& ls : cfg_.layers)
-      if (ls.head_dim % 16) fail("CUDA backend: head_dim {} is not a multiple of 16", ls.head_dim);
     if (opt.sc_sparse && !(opt.sc_sparse_max_survivors > 0))
       fail("CudaOptions::sc_sparse_max_survivors must be > 0, got {}", opt.sc_sparse_max_survivors);
     if (opt.sc_sparse && !(opt.sc_sparse_max_total > 0))
@@ -93,8 +313,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     const size_t need = dry.used + (size_t(96) << 20);  // + cuBLASLt workspace and driver slack
     if (need > free_b)
-      fail("CUDA backend needs {:.2f} GiB of GPU memory (weights, KV cache for {} positions, scratch) but only "
-           "{:.2f} of {:.2f} GiB are free; lower --max-context / prefill chunk or free the GPU",
+      fail("CUDA backend needs {:.2f} GiB of GPU memory (KV cache for {} positions and scratch, beside the weights) "
+           "but only {:.2f} of {:.2f} GiB are free; lower --max-context / prefill chunk / --sessions or free the GPU",
            double(need) / (1 << 30), opt.max_context, double(free_b) / (1 << 30), double(total_b) / (1 << 30));
     CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
     layout(arena_);
@@ -103,10 +323,6 @@ class CudaBackend final : public Backend {
     gemm_side_ = std::make_unique<cuda::Gemm>(size_t(64) << 20, opt_.dense_mlp_sms);
     CUDA_CHECK(cudaMallocHost(&host_ids_, size_t(tm_) * sizeof(int32_t)));
     CUDA_CHECK(cudaMallocHost(&host_stats_, size_t(cfg_.canvas_length) * sizeof(cuda::DeviceRowStats)));
-    if (model_)
-      upload(*model_);
-    else
-      synthesize(seed);
   }
 
   ~CudaBackend() override {
@@ -500,39 +716,17 @@ class CudaBackend final : public Backend {
     mark(kStCombine);
   }
 
+  // KV regions and scratch (the weights are CudaWeights').
   void layout(Arena& ar) {
     const size_t H = size_t(cfg_.hidden_size), V = size_t(cfg_.vocab_size), Id = size_t(cfg_.intermediate_size);
     const size_t Ie = size_t(cfg_.moe_intermediate_size), E = size_t(cfg_.num_experts), nh = size_t(cfg_.num_heads);
     const size_t K = size_t(cfg_.top_k_experts), Tm = size_t(tm_), Lc = size_t(cfg_.canvas_length);
-    embed_ = ar.take<bf16>(V * H);
-    final_norm_ = ar.take<float>(H);
-    sc_pre_norm_ = ar.take<float>(H);
-    sc_gu_ = ar.take<bf16>(2 * Id * H);
-    sc_down_ = ar.take<bf16>(H * Id);
-    layers_.resize(size_t(cfg_.num_layers));
     size_t max_qkv = 0, max_q = 0, max_kv = 0;
-    for (int l = 0; l < cfg_.num_layers; ++l) {
-      DevLayer& L = layers_[size_t(l)];
-      L.shape = cfg_.layers[size_t(l)];
+    for (DevLayer& L : layers_) {
       const size_t D = size_t(L.shape.head_dim), nkv = size_t(L.shape.n_kv_heads);
-      L.nqkv = int((nh + (L.shape.has_v_proj ? 2 : 1) * nkv) * D);
       max_qkv = std::max(max_qkv, size_t(L.nqkv));
       max_q = std::max(max_q, nh * D);
       max_kv = std::max(max_kv, nkv * D);
-      L.wqkv = ar.take<bf16>(size_t(L.nqkv) * H);
-      L.wo = ar.take<bf16>(H * nh * D);
-      L.dense_gu = ar.take<bf16>(2 * Id * H);
-      L.dense_down = ar.take<bf16>(H * Id);
-      L.exp_gu = ar.take<bf16>(E * 2 * Ie * H);
-      L.exp_down = ar.take<bf16>(E * H * Ie);
-      L.q_norm = ar.take<float>(D);
-      L.k_norm = ar.take<float>(D);
-      for (float** p : {&L.input_norm, &L.post_attn, &L.pre_ff, &L.post_ff1, &L.pre_ff2, &L.post_ff2, &L.post_ff,
-                        &L.router_scale})
-        *p = ar.take<float>(H);
-      L.router_w = ar.take<float>(E * H);
-      L.pes = ar.take<float>(E);
-      L.inv_freq = ar.take<float>(D / 2);
       L.cap = L.shape.kind == LayerKind::Sliding
                   ? std::min<int64_t>(opt_.max_context, cfg_.sliding_window - 1 + opt_.sliding_rewind)
                   : opt_.max_context;
@@ -577,140 +771,7 @@ class CudaBackend final : public Backend {
     }
   }
 
-  void inv_freqs(DevLayer& L, std::vector<float>& f) {
-    const RopeParams& rp = L.shape.rope;
-    f.assign(size_t(L.shape.head_dim / 2), 0.0f);
-    for (int i = 0; i < rp.rotated_pairs; ++i)
-      f[size_t(i)] = float(1.0 / std::pow(double(rp.theta), 2.0 * i / double(rp.exponent_dim)));
-  }
-
-  // Converts host tensors through one pinned staging buffer, chunk by chunk.
-  struct Stager {
-    cudaStream_t stream;
-    void* pinned = nullptr;
-    size_t bytes = size_t(64) << 20;
-    size_t done = 0, total = 0;
-    bool progress = true;
-    int last_pct = -1;
-    std::vector<float> tmp;
-    explicit Stager(cudaStream_t s, size_t total_bytes, bool show) : stream(s), total(total_bytes), progress(show) {
-      CUDA_CHECK(cudaMallocHost(&pinned, bytes));
-    }
-    ~Stager() { cudaFreeHost(pinned); }
-    void put(const TensorView& t, void* dst, Dt dt, size_t elem_offset = 0) {
-      const size_t n = size_t(t.numel()), es = dt == Dt::BF16 ? 2 : 4, per = bytes / es;
-      const size_t src_es = dtype_size(t.dtype);
-      for (size_t i = 0; i < n; i += per) {
-        const size_t m = std::min(per, n - i);
-        CUDA_CHECK(cudaStreamSynchronize(stream));  // the staging buffer is free again
-        const uint8_t* src = t.data + i * src_es;
-        if (dt == Dt::BF16 && t.dtype == DType::BF16) {
-          std::memcpy(pinned, src, m * 2);
-        } else {
-          tmp.resize(m);
-          convert_to_f32(t.dtype, src, tmp.data(), m);
-          if (dt == Dt::F32) {
-            std::memcpy(pinned, tmp.data(), m * 4);
-          } else {
-            auto* o = static_cast<uint16_t*>(pinned);
-            for (size_t j = 0; j < m; ++j) o[j] = f32_to_bf16(tmp[j]);
-          }
-        }
-        CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + (elem_offset + i) * es, pinned, m * es,
-                                   cudaMemcpyHostToDevice, stream));
-        done += m * src_es;
-        int pct = total ? int(100.0 * double(done) / double(total)) : 100;
-        if (progress && pct != last_pct && pct % 5 == 0) {
-          std::fprintf(stderr, "\rcuda: uploading weights %3d%% (%.1f / %.1f GiB)", pct, double(done) / (1 << 30),
-                       double(total) / (1 << 30));
-          last_pct = pct;
-        }
-      }
-    }
-  };
-
-  void upload(const LoadedModel& m) {
-    const ModelWeights& w = m.weights;
-    size_t total = 0;
-    for (auto& [name, t] : m.checkpoint->all()) total += t->nbytes;
-    Stager st(stream_, total, opt_.progress);
-    const size_t H = size_t(cfg_.hidden_size), Id = size_t(cfg_.intermediate_size), nh = size_t(cfg_.num_heads);
-    st.put(*w.embed, embed_, Dt::BF16);
-    st.put(*w.final_norm, final_norm_, Dt::F32);
-    st.put(*w.sc_pre_norm, sc_pre_norm_, Dt::F32);
-    st.put(*w.sc_gate, sc_gu_, Dt::BF16);
-    st.put(*w.sc_up, sc_gu_, Dt::BF16, Id * H);
-    st.put(*w.sc_down, sc_down_, Dt::BF16);
-    std::vector<float> f;
-    for (int l = 0; l < cfg_.num_layers; ++l) {
-      DevLayer& L = layers_[size_t(l)];
-      const LayerWeights& lw = w.layers[size_t(l)];
-      const size_t D = size_t(L.shape.head_dim), nkv = size_t(L.shape.n_kv_heads);
-      st.put(*lw.q_proj, L.wqkv, Dt::BF16);
-      st.put(*lw.k_proj, L.wqkv, Dt::BF16, nh * D * H);
-      if (lw.v_proj) st.put(*lw.v_proj, L.wqkv, Dt::BF16, (nh + nkv) * D * H);
-      st.put(*lw.o_proj, L.wo, Dt::BF16);
-      st.put(*lw.mlp_gate, L.dense_gu, Dt::BF16);
-      st.put(*lw.mlp_up, L.dense_gu, Dt::BF16, Id * H);
-      st.put(*lw.mlp_down, L.dense_down, Dt::BF16);
-      st.put(*lw.experts_gate_up, L.exp_gu, Dt::BF16);
-      st.put(*lw.experts_down, L.exp_down, Dt::BF16);
-      st.put(*lw.q_norm, L.q_norm, Dt::F32);
-      st.put(*lw.k_norm, L.k_norm, Dt::F32);
-      st.put(*lw.input_norm, L.input_norm, Dt::F32);
-      st.put(*lw.post_attn_norm, L.post_attn, Dt::F32);
-      st.put(*lw.pre_ff_norm, L.pre_ff, Dt::F32);
-      st.put(*lw.post_ff_norm_1, L.post_ff1, Dt::F32);
-      st.put(*lw.pre_ff_norm_2, L.pre_ff2, Dt::F32);
-      st.put(*lw.post_ff_norm_2, L.post_ff2, Dt::F32);
-      st.put(*lw.post_ff_norm, L.post_ff, Dt::F32);
-      st.put(*lw.router_proj, L.router_w, Dt::F32);
-      st.put(*lw.router_scale, L.router_scale, Dt::F32);
-      st.put(*lw.per_expert_scale, L.pes, Dt::F32);
-      L.enc_scalar = lw.encoder_layer_scalar->to_f32()[0];
-      L.dec_scalar = lw.decoder_layer_scalar->to_f32()[0];
-      inv_freqs(L, f);
-      CUDA_CHECK(cudaStreamSynchronize(stream_));
-      CUDA_CHECK(cudaMemcpy(L.inv_freq, f.data(), f.size() * 4, cudaMemcpyHostToDevice));
-    }
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-    if (opt_.progress) std::fprintf(stderr, "\n");
-  }
-
-  void synthesize(uint64_t seed) {
-    const size_t H = size_t(cfg_.hidden_size), V = size_t(cfg_.vocab_size), Id = size_t(cfg_.intermediate_size);
-    const size_t Ie = size_t(cfg_.moe_intermediate_size), E = size_t(cfg_.num_experts), nh = size_t(cfg_.num_heads);
-    uint64_t k = seed * 1000003ull;
-    auto wb = [&](bf16* p, size_t n, size_t fan_in) {
-      cuda::fill_uniform_bf16(p, n, ++k, float(1.0 / std::sqrt(double(fan_in))), 0.0f, stream_);
-    };
-    auto nf = [&](float* p, size_t n) { cuda::fill_uniform_f32(p, n, ++k, 0.25f, 1.0f, stream_); };
-    cuda::fill_uniform_bf16(embed_, V * H, ++k, 0.05f, 0.0f, stream_);
-    nf(final_norm_, H);
-    nf(sc_pre_norm_, H);
-    wb(sc_gu_, 2 * Id * H, H);
-    wb(sc_down_, H * Id, Id);
-    std::vector<float> f;
-    for (auto& L : layers_) {
-      const size_t D = size_t(L.shape.head_dim);
-      wb(L.wqkv, size_t(L.nqkv) * H, H);
-      wb(L.wo, H * nh * D, nh * D);
-      wb(L.dense_gu, 2 * Id * H, H);
-      wb(L.dense_down, H * Id, Id);
-      wb(L.exp_gu, E * 2 * Ie * H, H);
-      wb(L.exp_down, E * H * Ie, Ie);
-      for (float* p : {L.q_norm, L.k_norm}) nf(p, D);
-      for (float* p : {L.input_norm, L.post_attn, L.pre_ff, L.post_ff1, L.pre_ff2, L.post_ff2, L.post_ff, L.router_scale})
-        nf(p, H);
-      cuda::fill_uniform_f32(L.router_w, E * H, ++k, 1.0f / std::sqrt(float(H)), 0.0f, stream_);
-      nf(L.pes, E);
-      inv_freqs(L, f);
-      CUDA_CHECK(cudaMemcpy(L.inv_freq, f.data(), f.size() * 4, cudaMemcpyHostToDevice));
-    }
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-  }
-
-  const LoadedModel* model_;
+  std::shared_ptr<const CudaWeights> weights_;
   ModelConfig cfg_;
   CudaOptions opt_;
   cudaStream_t stream_ = nullptr;
@@ -719,9 +780,9 @@ class CudaBackend final : public Backend {
   int tm_ = 0;
   Arena arena_;
   std::unique_ptr<cuda::Gemm> gemm_, gemm_side_;
-  bf16 *embed_ = nullptr, *sc_gu_ = nullptr, *sc_down_ = nullptr;
+  bf16 *embed_ = nullptr, *sc_gu_ = nullptr, *sc_down_ = nullptr;  // CudaWeights'
   float *final_norm_ = nullptr, *sc_pre_norm_ = nullptr;
-  std::vector<DevLayer> layers_;
+  std::vector<DevLayer> layers_;  // CudaWeights' pointers + this backend's KV regions
   Scratch s_{};
   int32_t* host_ids_ = nullptr;
   cuda::DeviceRowStats* host_stats_ = nullptr;
@@ -740,13 +801,26 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
+std::shared_ptr<CudaWeights> upload_cuda_weights(const LoadedModel& model, const CudaOptions& options) {
+  return std::make_shared<CudaWeights>(&model, model.config, 0, options);
+}
+
+std::shared_ptr<CudaWeights> synthetic_cuda_weights(const ModelConfig& config, uint64_t seed, const CudaOptions& options) {
+  return std::make_shared<CudaWeights>(nullptr, config, seed, options);
+}
+
+std::unique_ptr<Backend> make_cuda_backend(std::shared_ptr<const CudaWeights> weights, const CudaOptions& options) {
+  if (!weights) fail("make_cuda_backend: no weights");
+  return std::make_unique<CudaBackend>(std::move(weights), options);
+}
+
 std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, const CudaOptions& options) {
-  return std::make_unique<CudaBackend>(&model, model.config, 0, options);
+  return make_cuda_backend(upload_cuda_weights(model, options), options);
 }
 
 std::unique_ptr<Backend> make_cuda_backend_synthetic(const ModelConfig& config, uint64_t seed,
                                                      const CudaOptions& options) {
-  return std::make_unique<CudaBackend>(nullptr, config, seed, options);
+  return make_cuda_backend(synthetic_cuda_weights(config, seed, options), options);
 }
 
 }  // namespace dg

@@ -69,7 +69,16 @@ struct CudaOptions {
   CudaScStats* sc_stats = nullptr;  // not owned; counts the path of every PreviousStep step while sc_sparse
 };
 
-// `model` must outlive the backend; its weights are uploaded once (as bf16) and not read again.
+// A model's weights on the GPU (bf16; norms, router and scales f32), uploaded once and read-only after: any number
+// of backends on that GPU can share them (server session slots each add only a KV cache and scratch, ~3 GiB at the
+// default max_context, where the weights are ~48 GiB). `options.device` and `progress` are used.
+class CudaWeights;
+std::shared_ptr<CudaWeights> upload_cuda_weights(const LoadedModel& model, const CudaOptions& options = {});
+std::shared_ptr<CudaWeights> synthetic_cuda_weights(const ModelConfig& config, uint64_t seed,
+                                                    const CudaOptions& options = {});
+// A backend (KV cache, scratch, streams) over shared weights, on the same device.
+std::unique_ptr<Backend> make_cuda_backend(std::shared_ptr<const CudaWeights> weights, const CudaOptions& options = {});
+// One backend with its own weights. `model` must outlive the call only (its weights are uploaded as bf16).
 std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, const CudaOptions& options = {});
 // Synthetic weights generated on the GPU from `seed` (benchmarks at full size without a checkpoint).
 std::unique_ptr<Backend> make_cuda_backend_synthetic(const ModelConfig& config, uint64_t seed,

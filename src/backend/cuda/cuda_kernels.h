@@ -30,8 +30,6 @@ void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, con
                  const float* w, float eps, float scalar, cudaStream_t s);
 // act[r, i] = gelu_tanh(gu[r, i]) * gu[r, I + i]   (gu: [rows, 2I])
 void gelu_mul(const bf16* gu, int rows, int I, bf16* act, cudaStream_t s);
-// the same from f32 gate/up (the padded expert path keeps them f32, as the grouped kernels do, before the activation)
-void gelu_mul_f32(const float* gu, int rows, int I, bf16* act, cudaStream_t s);
 // h += a (f32), used for the SC signal: e += sc
 void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s);
 

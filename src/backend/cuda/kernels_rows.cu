@@ -202,12 +202,12 @@ int row_vec_nv(int n) {
   return nv <= 4 ? nv : 0;
 }
 
-// act = bf16(gelu_tanh(gate) * up), gate/up as bf16 (dense MLP) or f32 (the padded expert path)
-template <class In>
-__global__ void gelu_mul_k(const In* gu, int rows, int I, bf16* act) {
+// act = bf16(gelu_tanh(gate) * up), gate/up as bf16 (dense MLP; the padded experts' f32 variant is
+// moe_gelu_mul_padded in kernels_moe.cu)
+__global__ void gelu_mul_k(const bf16* gu, int rows, int I, bf16* act) {
   for (int r = blockIdx.y; r < rows; r += gridDim.y)
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < I; i += gridDim.x * blockDim.x) {
-      const float g = to_f(gu[size_t(r) * 2 * I + i]), u = to_f(gu[size_t(r) * 2 * I + I + i]);
+      const float g = __bfloat162float(gu[size_t(r) * 2 * I + i]), u = __bfloat162float(gu[size_t(r) * 2 * I + I + i]);
       act[size_t(r) * I + i] = __float2bfloat16(gelu_tanh(g) * u);
     }
 }
@@ -572,15 +572,12 @@ void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, con
   ffn_combine_k<<<rows, kRowThreads, size_t(n) * sizeof(float), s>>>(h, m1, m2, n, w1, w2, w, eps, scalar);
   CUDA_CHECK_LAUNCH();
 }
-template <class In>
-void launch_gelu_mul(const In* gu, int rows, int I, bf16* act, cudaStream_t s) {
+void gelu_mul(const bf16* gu, int rows, int I, bf16* act, cudaStream_t s) {
   if (rows == 0) return;
   dim3 grid(unsigned((I + 255) / 256), unsigned(rows < 65535 ? rows : 65535));
-  gelu_mul_k<In><<<grid, 256, 0, s>>>(gu, rows, I, act);
+  gelu_mul_k<<<grid, 256, 0, s>>>(gu, rows, I, act);
   CUDA_CHECK_LAUNCH();
 }
-void gelu_mul(const bf16* gu, int rows, int I, bf16* act, cudaStream_t s) { launch_gelu_mul(gu, rows, I, act, s); }
-void gelu_mul_f32(const float* gu, int rows, int I, bf16* act, cudaStream_t s) { launch_gelu_mul(gu, rows, I, act, s); }
 void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s) {
   if (n == 0) return;
   add_bf16_to_f32_k<<<grid_for(n), 256, 0, s>>>(h, a, n);
