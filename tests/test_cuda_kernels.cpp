@@ -330,6 +330,56 @@ TEST(CudaKernels, MoeCombineFfn) {
     cpu::rms_norm(a.data(), T, H, wn.data(), eps, a.data());
     for (size_t i = 0; i < want.size(); ++i) want[i] = (want[i] + a[i]) * scalar;
     EXPECT_LE(rel_err(dh.get(), want), 1e-5) << "T " << T << " H " << H;
+    // With x_next: the same h, plus the next layer's input norm of it (as rms_norm_f32_to_bf16 computes it)
+    auto w_next = rnd(size_t(H), 0.5f, 1.5f);
+    Dev<float> dh2(h.size()), dwx(static_cast<size_t>(H));
+    Dev<bf16> x_next(h.size()), x_sep(h.size());
+    dh2.put(h), dwx.put(w_next);
+    moe_combine_ffn(dy.p, didx.p, dw.p, dspos.p, T, k, dh2.p, dm1.p, H, dw1.p, dw2.p, dwn.p, eps, scalar, nullptr,
+                    dwx.p, x_next.p);
+    const auto h2 = dh2.get();
+    EXPECT_EQ(0, std::memcmp(h2.data(), dh.get().data(), h2.size() * sizeof(float))) << "h changed with x_next";
+    rms_norm_f32_to_bf16(dh2.p, T, H, dwx.p, eps, x_sep.p, nullptr);
+    EXPECT_LE(rel_err(from_bf16(x_next.get()), from_bf16(x_sep.get())), 4e-3) << "T " << T << " H " << H;
+    std::vector<float> want_x(h2.size());
+    cpu::rms_norm(h2.data(), T, H, w_next.data(), eps, want_x.data());
+    EXPECT_LE(rel_err(from_bf16(x_next.get()), want_x), 8e-3) << "T " << T << " H " << H;
+  }
+}
+
+// add_rms_norm_pre_ffn = add_rms_norm then pre_ffn (vector rows fused, others the two launches): compared with the
+// two launches and with the CPU oracle.
+TEST(CudaKernels, AddRmsNormPreFfn) {
+  REQUIRE_GPU();
+  for (const int n : {40, 203, 1024, 2816, 4100}) {
+    for (const int rows : {1, 7, 256}) {
+      const float eps = 1e-6f;
+      auto h = rnd(size_t(rows) * n, -4, 4), a = rnd(size_t(rows) * n, -2, 2);
+      auto wp = rnd(n, 0.5f, 1.5f), w1 = rnd(n, 0.5f, 1.5f), w2 = rnd(n, 0.5f, 1.5f), rs = rnd(n, 0.5f, 1.5f);
+      Dev<float> dh(h.size()), dh2(h.size()), dwp(n), dw1(n), dw2(n), drs(n), xr(h.size()), xr2(h.size());
+      Dev<bf16> da(a.size()), x1(h.size()), xe(h.size()), x1b(h.size()), xeb(h.size());
+      dh.put(h), dh2.put(h), da.put(to_bf16(a)), dwp.put(wp), dw1.put(w1), dw2.put(w2), drs.put(rs);
+      add_rms_norm_pre_ffn(dh.p, da.p, rows, n, dwp.p, dw1.p, dw2.p, drs.p, eps, x1.p, xe.p, xr.p, nullptr);
+      add_rms_norm(dh2.p, da.p, rows, n, dwp.p, eps, nullptr);
+      pre_ffn(dh2.p, rows, n, dw1.p, dw2.p, drs.p, eps, x1b.p, xeb.p, xr2.p, nullptr);
+      const std::string what = "rows " + std::to_string(rows) + " n " + std::to_string(n);
+      EXPECT_LE(rel_err(dh.get(), dh2.get()), 1e-6) << what;
+      EXPECT_LE(rel_err(xr.get(), xr2.get()), 1e-6) << what;
+      EXPECT_LE(rel_err(from_bf16(x1.get()), from_bf16(x1b.get())), 4e-3) << what;
+      EXPECT_LE(rel_err(from_bf16(xe.get()), from_bf16(xeb.get())), 4e-3) << what;
+      // CPU oracle: h + rms(bf16(a); wp), then the three FFN inputs
+      auto ab = from_bf16(to_bf16(a));
+      std::vector<float> d(h.size()), want_h = h, e1(h.size()), er(h.size());
+      cpu::rms_norm(ab.data(), rows, n, wp.data(), eps, d.data());
+      for (size_t i = 0; i < h.size(); ++i) want_h[i] += d[i];
+      EXPECT_LE(rel_err(dh.get(), want_h), 1e-5) << what;
+      cpu::rms_norm(want_h.data(), rows, n, w1.data(), eps, e1.data());
+      EXPECT_LE(rel_err(from_bf16(x1.get()), e1), 8e-3) << what;
+      cpu::rms_norm(want_h.data(), rows, n, nullptr, eps, er.data());
+      for (int r = 0; r < rows; ++r)
+        for (int i = 0; i < n; ++i) er[size_t(r) * n + i] *= rs[size_t(i)] / std::sqrt(float(n));
+      EXPECT_LE(rel_err(xr.get(), er), 1e-5) << what;
+    }
   }
 }
 

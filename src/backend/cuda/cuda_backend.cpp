@@ -637,7 +637,8 @@ class CudaBackend final : public Backend {
     const float eps = cfg_.rms_norm_eps;
     const bool sliding = L.shape.kind == LayerKind::Sliding;
 
-    cuda::rms_norm_f32_to_bf16(s_.h, T, H, L.input_norm, eps, s_.x, stream_);
+    // Layer l > 0 finds its input norm in x already: the previous layer's combine kernel wrote it.
+    if (l == 0) cuda::rms_norm_f32_to_bf16(s_.h, T, H, L.input_norm, eps, s_.x, stream_);
     gemm_->linear(s_.x, Dt::BF16, T, L.wqkv, Dt::BF16, L.nqkv, H, s_.qkv, Dt::BF16, stream_);
     cuda::qkv_norm_rope(s_.qkv, T, nh, nkv, D, !L.shape.has_v_proj, L.q_norm, L.k_norm, L.inv_freq, kv_len_, eps,
                         s_.q, s_.kn, s_.vn, stream_);
@@ -657,10 +658,11 @@ class CudaBackend final : public Backend {
     mark(kStAttention);
     if (pass == Pass::Encoder) cuda::kv_write(s_.kn, s_.vn, T, nkv * D, kv_len_, L.kc, L.vc, L.cap, stream_);
     gemm_->linear(s_.att, Dt::BF16, T, L.wo, Dt::BF16, H, nh * D, s_.a, Dt::BF16, stream_);
-    cuda::add_rms_norm(s_.h, s_.a, T, H, L.post_attn, eps, stream_);
+    // h += rms(attention out; post_attn), then the FFN inputs x1, xe, xr from the new h: one kernel.
+    cuda::add_rms_norm_pre_ffn(s_.h, s_.a, T, H, L.post_attn, L.pre_ff, L.pre_ff2, L.router_scale, eps, s_.x1, s_.xe,
+                               s_.xr, stream_);
     mark(kStOProj);
 
-    cuda::pre_ffn(s_.h, T, H, L.pre_ff, L.pre_ff2, L.router_scale, eps, s_.x1, s_.xe, s_.xr, stream_);
     // The dense MLP (compute-bound) and the router + experts (latency- then bandwidth-bound) are independent until
     // the combine: the dense MLP runs on a side stream (fork/join events, captured into the graph as parallel
     // branches). Stage-timed, traced and GEMM-tuning passes keep one stream so their times stay attributable.
@@ -711,8 +713,10 @@ class CudaBackend final : public Backend {
       mark(kStDown);
     }
     if (overlap) CUDA_CHECK(cudaStreamWaitEvent(stream_, join_));
+    const bool last = l + 1 == cfg_.num_layers;  // else the combine also writes the next layer's input norm to x
     cuda::moe_combine_ffn(s_.y, s_.idx, s_.wk, s_.sorted_pos, T, K, s_.h, s_.m1, H, L.post_ff1, L.post_ff2,
-                          L.post_ff, eps, pass == Pass::Encoder ? L.enc_scalar : L.dec_scalar, stream_);
+                          L.post_ff, eps, pass == Pass::Encoder ? L.enc_scalar : L.dec_scalar, stream_,
+                          last ? nullptr : layers_[size_t(l) + 1].input_norm, last ? nullptr : s_.x);
     mark(kStCombine);
   }
 

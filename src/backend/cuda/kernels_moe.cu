@@ -243,7 +243,8 @@ constexpr int kCombineThreads = 256;
 template <int NV, int KMAX>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
-    int H, const float* w1, const float* w2, const float* wn, float eps, float scalar) {
+    int H, const float* w1, const float* w2, const float* wn, float eps, float scalar, const float* w_next,
+    bf16* x_next) {
   __shared__ int src_row[KMAX];
   __shared__ float src_w[KMAX];
   const int t = blockIdx.x, H4 = H / 4;
@@ -292,17 +293,37 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     }
   }
   const float inv3 = rsqrtf(block_sum(s3) / float(H) + eps);
+  float s4 = 0;
 #pragma unroll
   for (int q = 0; q < NV; ++q) {
     const int c = threadIdx.x + q * kCombineThreads;
+    float4 hv = make_float4(0, 0, 0, 0);
     if (c < H4) {
       const float4 p = reinterpret_cast<const float4*>(wn)[c];
-      float4 hv = reinterpret_cast<float4*>(h + off)[c];
+      hv = reinterpret_cast<float4*>(h + off)[c];
       hv.x = (hv.x + m2[q].x * inv3 * p.x) * scalar;
       hv.y = (hv.y + m2[q].y * inv3 * p.y) * scalar;
       hv.z = (hv.z + m2[q].z * inv3 * p.z) * scalar;
       hv.w = (hv.w + m2[q].w * inv3 * p.w) * scalar;
       reinterpret_cast<float4*>(h + off)[c] = hv;
+    }
+    m2[q] = hv;  // the new residual row, for the next layer's input norm
+    s4 += hv.x * hv.x + hv.y * hv.y + hv.z * hv.z + hv.w * hv.w;
+  }
+  if (!x_next) return;
+  // x_next = rms(h; w_next) in bf16, as rms_norm_f32_to_bf16's vector kernel computes it (same order: bitwise).
+  const float inv4 = rsqrtf(block_sum(s4) / float(H) + eps);
+#pragma unroll
+  for (int q = 0; q < NV; ++q) {
+    const int c = threadIdx.x + q * kCombineThreads;
+    if (c < H4) {
+      const float4 p = reinterpret_cast<const float4*>(w_next)[c];
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(m2[q].x * inv4 * p.x, m2[q].y * inv4 * p.y);
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(m2[q].z * inv4 * p.z, m2[q].w * inv4 * p.w);
+      uint2 u;
+      u.x = *reinterpret_cast<const uint32_t*>(&lo);
+      u.y = *reinterpret_cast<const uint32_t*>(&hi);
+      reinterpret_cast<uint2*>(x_next + off)[c] = u;
     }
   }
 }
@@ -355,18 +376,24 @@ void moe_combine(const float* y, const int32_t* idx, const float* w, const int32
 
 void moe_combine_ffn(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
-                     float scalar, cudaStream_t s) {
+                     float scalar, cudaStream_t s, const float* w_next, bf16* x_next) {
   if (T == 0) return;
   if (k > kMaxTopK) throw_cuda_error("moe_combine_ffn", "top-k above 32", 0, __FILE__, __LINE__);
+  if (x_next && !w_next) throw_cuda_error("moe_combine_ffn", "x_next needs w_next", 0, __FILE__, __LINE__);
   const int nv = H % 4 == 0 ? (H / 4 + kCombineThreads - 1) / kCombineThreads : 0;
   if (k <= 8 && nv >= 1 && nv <= 3) {
-    auto* kern = nv == 1 ? moe_combine_ffn_vec_k<1, 8> : nv == 2 ? moe_combine_ffn_vec_k<2, 8> : moe_combine_ffn_vec_k<3, 8>;
-    kern<<<T, kCombineThreads, 0, s>>>(y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post, eps, scalar);
-  } else {
-    moe_combine_ffn_k<<<T, 256, size_t(H) * sizeof(float), s>>>(y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
-                                                                 eps, scalar);
+    auto* kern = nv == 1   ? moe_combine_ffn_vec_k<1, 8>
+                 : nv == 2 ? moe_combine_ffn_vec_k<2, 8>
+                           : moe_combine_ffn_vec_k<3, 8>;
+    kern<<<T, kCombineThreads, 0, s>>>(y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post, eps, scalar, w_next,
+                                       x_next);
+    CUDA_CHECK_LAUNCH();
+    return;
   }
+  moe_combine_ffn_k<<<T, 256, size_t(H) * sizeof(float), s>>>(y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
+                                                               eps, scalar);
   CUDA_CHECK_LAUNCH();
+  if (x_next) rms_norm_f32_to_bf16(h, T, H, w_next, eps, x_next, s);
 }
 
 }  // namespace dg::cuda

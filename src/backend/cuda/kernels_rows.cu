@@ -195,6 +195,46 @@ __global__ void __launch_bounds__(kVecThreads) pre_ffn_vec_k(const float* h, int
   }
 }
 
+// add_rms_norm_vec_k then pre_ffn_vec_k in one pass: the updated residual row stays in registers (same arithmetic and
+// reduction order as the two kernels: bitwise the same results).
+template <int NV>
+__global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float* h, const bf16* a, int n,
+                                                                          const float* w_post, const float* w_pre,
+                                                                          const float* w_pre2, const float* rs,
+                                                                          float eps, bf16* x1, bf16* xe, float* xr) {
+  const int n4 = n / 4;
+  const size_t off = size_t(blockIdx.x) * n;
+  const RowVec<NV> ra = load_bf16<NV>(a + off, n4);
+  const float inv_a = rsqrtf(block_sum(sum_sq(ra)) / float(n) + eps);
+  RowVec<NV> r;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int c = threadIdx.x + j * kVecThreads;
+    r.v[j] = make_float4(0, 0, 0, 0);
+    if (c < n4) {
+      float4 hv = ld4(h + off, c);
+      const float4 d = mul4(ra.v[j], inv_a, ld4(w_post, c));
+      hv.x += d.x, hv.y += d.y, hv.z += d.z, hv.w += d.w;
+      st4(h + off, c, hv);
+      r.v[j] = hv;
+    }
+  }
+  const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
+  const float inv_sqrt_n = 1.0f / sqrtf(float(n));
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int c = threadIdx.x + j * kVecThreads;
+    if (c < n4) {
+      const float4 v = mul4(r.v[j], inv, make_float4(1, 1, 1, 1));
+      st4(x1 + off, c, mul4(v, 1.0f, ld4(w_pre, c)));
+      st4(xe + off, c, mul4(v, 1.0f, ld4(w_pre2, c)));
+      const float4 q = ld4(rs, c);
+      st4(xr + off, c, make_float4(v.x * q.x * inv_sqrt_n, v.y * q.y * inv_sqrt_n, v.z * q.z * inv_sqrt_n,
+                                   v.w * q.w * inv_sqrt_n));
+    }
+  }
+}
+
 // NV for a row of n floats, 0 when the vector path does not apply.
 int row_vec_nv(int n) {
   if (n % 4 != 0) return 0;
@@ -564,6 +604,23 @@ void pre_ffn(const float* h, int rows, int n, const float* w_pre, const float* w
     case 4: pre_ffn_vec_k<4><<<rows, kVecThreads, 0, s>>>(h, n, w_pre, w_pre2, router_scale, eps, x1, xe, xr); break;
     default: pre_ffn_k<<<rows, kRowThreads, 0, s>>>(h, n, w_pre, w_pre2, router_scale, eps, x1, xe, xr);
   }
+  CUDA_CHECK_LAUNCH();
+}
+void add_rms_norm_pre_ffn(float* h, const bf16* a, int rows, int n, const float* w_post, const float* w_pre,
+                          const float* w_pre2, const float* router_scale, float eps, bf16* x1, bf16* xe, float* xr,
+                          cudaStream_t s) {
+  if (rows == 0) return;
+  const int nv = row_vec_nv(n);
+  if (nv == 0) {
+    add_rms_norm(h, a, rows, n, w_post, eps, s);
+    pre_ffn(h, rows, n, w_pre, w_pre2, router_scale, eps, x1, xe, xr, s);
+    return;
+  }
+  auto* kern = nv == 1   ? add_rms_norm_pre_ffn_vec_k<1>
+               : nv == 2 ? add_rms_norm_pre_ffn_vec_k<2>
+               : nv == 3 ? add_rms_norm_pre_ffn_vec_k<3>
+                         : add_rms_norm_pre_ffn_vec_k<4>;
+  kern<<<rows, kVecThreads, 0, s>>>(h, a, n, w_post, w_pre, w_pre2, router_scale, eps, x1, xe, xr);
   CUDA_CHECK_LAUNCH();
 }
 void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, const float* w1, const float* w2,
