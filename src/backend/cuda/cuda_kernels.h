@@ -25,8 +25,8 @@ void add_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, floa
 // xr = rms_noscale(h) * router_scale * H^-0.5 (router input, f32).
 void pre_ffn(const float* h, int rows, int n, const float* w_pre, const float* w_pre2, const float* router_scale,
              float eps, bf16* x1, bf16* xe, float* xr, cudaStream_t s);
-// add_rms_norm(h, a; w_post) then pre_ffn(h; ...), in one kernel where the row fits the vector path (bitwise the
-// same results as the two launches).
+// add_rms_norm(h, a; w_post) then pre_ffn(h; ...), in one kernel where the row fits the vector path (the same
+// arithmetic in the same order as the two launches).
 void add_rms_norm_pre_ffn(float* h, const bf16* a, int rows, int n, const float* w_post, const float* w_pre,
                           const float* w_pre2, const float* router_scale, float eps, bf16* x1, bf16* xe, float* xr,
                           cudaStream_t s);
@@ -165,7 +165,7 @@ void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16*
 void moe_combine(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
                  float* out, cudaStream_t s);
 // moe_combine into m2, then ffn_combine(h, m1, m2, ...), in one kernel (m2 never reaches global memory).
-// x_next (may be null): also rms_norm_f32_to_bf16(h; w_next) of the new h, the next layer's input (bitwise equal).
+// x_next (may be null): also rms_norm_f32_to_bf16(h; w_next) of the new h, the next layer's input (same arithmetic).
 void moe_combine_ffn(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
                      float scalar, cudaStream_t s, const float* w_next = nullptr, bf16* x_next = nullptr);

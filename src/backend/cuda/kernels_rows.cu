@@ -172,13 +172,12 @@ __global__ void __launch_bounds__(kVecThreads) add_rms_norm_vec_k(float* h, cons
   }
 }
 
+// From the residual row r (in registers): x1 = rms(r; w_pre), xe = rms(r; w_pre2), xr = rms_noscale(r) * rs / sqrt(n).
 template <int NV>
-__global__ void __launch_bounds__(kVecThreads) pre_ffn_vec_k(const float* h, int n, const float* w_pre,
-                                                             const float* w_pre2, const float* rs, float eps, bf16* x1,
-                                                             bf16* xe, float* xr) {
+__device__ __forceinline__ void store_ffn_inputs(const RowVec<NV>& r, int n, size_t off, const float* w_pre,
+                                                 const float* w_pre2, const float* rs, float eps, bf16* x1, bf16* xe,
+                                                 float* xr) {
   const int n4 = n / 4;
-  const size_t off = size_t(blockIdx.x) * n;
-  const RowVec<NV> r = load_f32<NV>(h + off, n4);
   const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
   const float inv_sqrt_n = 1.0f / sqrtf(float(n));
 #pragma unroll
@@ -195,8 +194,18 @@ __global__ void __launch_bounds__(kVecThreads) pre_ffn_vec_k(const float* h, int
   }
 }
 
-// add_rms_norm_vec_k then pre_ffn_vec_k in one pass: the updated residual row stays in registers (same arithmetic and
-// reduction order as the two kernels: bitwise the same results).
+template <int NV>
+__global__ void __launch_bounds__(kVecThreads) pre_ffn_vec_k(const float* h, int n, const float* w_pre,
+                                                             const float* w_pre2, const float* rs, float eps, bf16* x1,
+                                                             bf16* xe, float* xr) {
+  const int n4 = n / 4;
+  const size_t off = size_t(blockIdx.x) * n;
+  const RowVec<NV> r = load_f32<NV>(h + off, n4);
+  store_ffn_inputs(r, n, off, w_pre, w_pre2, rs, eps, x1, xe, xr);
+}
+
+// add_rms_norm_vec_k then pre_ffn_vec_k in one pass: the updated residual row stays in registers (the same arithmetic
+// in the same order as the two kernels).
 template <int NV>
 __global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float* h, const bf16* a, int n,
                                                                           const float* w_post, const float* w_pre,
@@ -219,20 +228,7 @@ __global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float*
       r.v[j] = hv;
     }
   }
-  const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
-  const float inv_sqrt_n = 1.0f / sqrtf(float(n));
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int c = threadIdx.x + j * kVecThreads;
-    if (c < n4) {
-      const float4 v = mul4(r.v[j], inv, make_float4(1, 1, 1, 1));
-      st4(x1 + off, c, mul4(v, 1.0f, ld4(w_pre, c)));
-      st4(xe + off, c, mul4(v, 1.0f, ld4(w_pre2, c)));
-      const float4 q = ld4(rs, c);
-      st4(xr + off, c, make_float4(v.x * q.x * inv_sqrt_n, v.y * q.y * inv_sqrt_n, v.z * q.z * inv_sqrt_n,
-                                   v.w * q.w * inv_sqrt_n));
-    }
-  }
+  store_ffn_inputs(r, n, off, w_pre, w_pre2, rs, eps, x1, xe, xr);
 }
 
 // NV for a row of n floats, 0 when the vector path does not apply.
