@@ -406,20 +406,14 @@ void moe_gate_up(const bf16* xs, const int32_t* offsets, int E, int P, const bf1
                  cudaStream_t s, const int32_t* expert_list) {
   if (P == 0) return;
   if (H % 8 != 0) throw_cuda_error("moe_gate_up", "hidden size must be a multiple of 8", 0, __FILE__, __LINE__);
-  if (expert_list) {
-    raise_smem_limit<true>();
-    const dim3 grid((I + GN / 2 - 1) / (GN / 2), std::min(E, kListBlocksY));
-    moe_tiled_k<true><<<grid, kGemmThreads, kMoeSmem, s>>>(xs, offsets, Wgu, I, H, act, nullptr, expert_list);
-    CUDA_CHECK_LAUNCH();
-    return;
-  }
-  if (P >= kStreamMinAvgRows * E) {
+  if (!expert_list && P >= kStreamMinAvgRows * E) {
     launch_stream<true, kStreamGNI, kStreamSK, kStreamStages, kStreamRot, kStreamPersist>(xs, offsets, E, Wgu, I, H, act, nullptr, s);
     return;
   }
-  dim3 grid((I + GN / 2 - 1) / (GN / 2), E);
+  // One block column per expert, or a few walking the expert list.
+  const dim3 grid((I + GN / 2 - 1) / (GN / 2), expert_list ? std::min(E, kListBlocksY) : E);
   raise_smem_limit<true>();
-  moe_tiled_k<true><<<grid, kGemmThreads, kMoeSmem, s>>>(xs, offsets, Wgu, I, H, act, nullptr, nullptr);
+  moe_tiled_k<true><<<grid, kGemmThreads, kMoeSmem, s>>>(xs, offsets, Wgu, I, H, act, nullptr, expert_list);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -427,20 +421,13 @@ void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16*
               cudaStream_t s, const int32_t* expert_list) {
   if (P == 0) return;
   if (I % 8 != 0) throw_cuda_error("moe_down", "expert width must be a multiple of 8", 0, __FILE__, __LINE__);
-  if (expert_list) {
-    raise_smem_limit<false>();
-    const dim3 grid((H + GN - 1) / GN, std::min(E, kListBlocksY));
-    moe_tiled_k<false><<<grid, kGemmThreads, kMoeSmem, s>>>(act, offsets, Wd, H, I, nullptr, y, expert_list);
-    CUDA_CHECK_LAUNCH();
-    return;
-  }
-  if (P >= kStreamMinAvgRows * E) {
+  if (!expert_list && P >= kStreamMinAvgRows * E) {
     launch_stream<false, kStreamGNI, kStreamSK, kStreamStages, kStreamRot, kStreamPersist>(act, offsets, E, Wd, H, I, nullptr, y, s);
     return;
   }
-  dim3 grid((H + GN - 1) / GN, E);
+  const dim3 grid((H + GN - 1) / GN, expert_list ? std::min(E, kListBlocksY) : E);
   raise_smem_limit<false>();
-  moe_tiled_k<false><<<grid, kGemmThreads, kMoeSmem, s>>>(act, offsets, Wd, H, I, nullptr, y, nullptr);
+  moe_tiled_k<false><<<grid, kGemmThreads, kMoeSmem, s>>>(act, offsets, Wd, H, I, nullptr, y, expert_list);
   CUDA_CHECK_LAUNCH();
 }
 
