@@ -11,16 +11,18 @@
 // The two wgmma kernels (below) run a software pipeline, FA3's intra-warpgroup overlap: iteration i issues
 // S(i) = Q K(i)^T and O += P(i-1) V(i-1) back to back, waits for S(i) only, and does the (D = 512: S exchange and)
 // softmax of tile i while the tensor cores run P(i-1) V(i-1); K is loaded one tile ahead of V, so the 2-stage K and V
-// rings still fit. H200 (attention_bench, "var" = the kernels before, same call, 2026-11-30 04:07Z), per layer:
-// sliding denoise 42.9 -> 40.2 us, full denoise kv 512 / 4096 / 32768 59.0 -> 53.2 us, 0.242 -> 0.208 ms, 1.665 ->
-// 1.410 ms, prefill T 4096 sliding 0.364 -> 0.299 ms, full 1.691 -> 1.445 ms; per denoise step (25 sliding + 5 full)
-// kv 512 / 4096 / 32768 1.368 -> 1.271, 2.282 -> 2.043, 9.398 -> 8.053 ms. Of that, roughly: the pipeline alone
-// 2-4% (kv 4096 0.242 -> 0.237 ms), load addresses without per-row 64-bit index math (load_tile's fast path) and the
-// st.async / mbarrier S exchange (attention_wgx_k, XA: 0.227 -> 0.218 ms) the next ~10%, the folded exp ~5%.
-// What limits them now (ncu, kv 4096): tensor pipe ~18% active, issue slots ~20% busy, ~1170 instructions per warp
-// per 64-key tile, stalls on fixed-latency dependencies and the S wait: two warps per scheduler, both warpgroups in
-// lockstep through one __syncthreads per tile. Next: a producer warp + mbarrier K/V ring so the two consumer
-// warpgroups can ping-pong (needs setmaxnreg: the consumers use ~246 registers).
+// rings still fit. H200 (attention_bench; "before" = the kernels before this, built into the same binary; 04:11Z),
+// per layer: sliding denoise 43.0 -> 40.0 us, full denoise kv 512 / 4096 / 32768 58.9 -> 50.9 us, 0.242 -> 0.184
+// ms, 1.656 -> 1.254 ms, prefill T 4096 sliding 0.364 -> 0.299 ms, full 1.691 -> 1.284 ms; per denoise step (25
+// sliding + 5 full) kv 512 / 4096 / 32768 1.369 -> 1.254, 2.285 -> 1.922, 9.356 -> 7.271 ms. Roughly (kv 4096 full
+// layer): the pipeline alone 0.242 -> 0.237 ms; load addresses without per-row 64-bit index math (load_tile's fast
+// path) and the st.async / mbarrier S exchange of attention_wgx_k (XA) -> 0.218; the folded exp -> 0.206; the XA
+// "buffer free" arrive at .release.cta instead of .release.cluster (which compiled to MEMBAR.ALL.GPU, waiting for
+// the thread's in-flight loads, once per tile) and stepped wgmma descriptors -> 0.184 ms.
+// What limits them now (ncu at kv 4096, before the last step): tensor pipe ~18% active, issue slots ~20% busy,
+// ~1170 instructions per warp per 64-key tile, stalls on fixed-latency dependencies and the S wait: two warps per
+// scheduler, both warpgroups in lockstep through one __syncthreads per tile. Next: a producer warp + mbarrier K/V ring
+// so the two consumer warpgroups can ping-pong (needs setmaxnreg: the consumers use ~246 registers).
 // Tried here and dropped: the split-KV merged inside a cluster of the nsplit CTAs through DSMEM (no workspace, no
 // combine launch): bitwise equal to the combine kernel, but the H200 holds only 30 clusters of 4 CTAs with this shared
 // memory (15 of 8), and the denoise grids need 32, so it never applied at model shapes; issuing the V loads after
@@ -527,6 +529,8 @@ struct WgCfg {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DG_ATTN_WGMMA 1
 // Shared-memory matrix descriptor, no swizzle: start, leading (LBO) and stride (SBO) byte offsets.
+// (saddr >> 4 stays below 2^14 for any shared-memory address of these kernels, so a descriptor plus n is the
+// descriptor of saddr + 16 n: the loops step descriptors instead of rebuilding them.)
 __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
   return uint64_t((saddr >> 4) & 0x3FFFu) | (uint64_t((lbo >> 4) & 0x3FFFu) << 16) |
          (uint64_t((sbo >> 4) & 0x3FFFu) << 32);
@@ -627,6 +631,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
 
   const uint32_t q_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t kv_base = q_base + uint32_t(C::q_bytes);
+  const uint64_t qd = wg_desc(q_base + uint32_t(rbase / 8) * RS, 128, RS);  // this warpgroup's 64 rows of Q
   load_q_tile<D>(smem, a, D, kvh, g, 0, m0, rows_total, tid);
   const int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
   const int64_t fp_mod = a.first_pos % a.cap;
@@ -656,19 +661,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
 #pragma unroll
     for (int t = 0; t < NT * 4; ++t) s[t] = 0.0f;
     wg_fence();
+    const uint64_t kd = wg_desc(k_tile, 128, RS);
 #pragma unroll
-    for (int kk = 0; kk < D; kk += 16) {
-      const uint32_t col_b = uint32_t(kk) * 16;  // (column / 8) * 128 bytes
-      const uint64_t da = wg_desc(q_base + uint32_t(rbase / 8) * RS + col_b, 128, RS);
-      const uint64_t db = wg_desc(k_tile + col_b, 128, RS);
-      wg_ss_n64(s, da, db);
-    }
+    for (int kk = 0; kk < D; kk += 16) wg_ss_n64(s, qd + uint64_t(kk), kd + uint64_t(kk));  // + kk * 16 bytes
     wg_commit();
     if (i > 0) {
-      const uint32_t v_prev = kv_base + uint32_t(((stage ^ 1) * 2 + 1) * C::kv_bytes);
+      const uint64_t vd = wg_desc(kv_base + uint32_t(((stage ^ 1) * 2 + 1) * C::kv_bytes), kVLbo, kVSbo);
 #pragma unroll
-      for (int kc = 0; kc < BN / 16; ++kc)
-        wg_rs_n256_t(o, pa[kc], wg_desc(v_prev + uint32_t(kc * 2) * RS, kVLbo, kVSbo));
+      for (int kc = 0; kc < BN / 16; ++kc) wg_rs_n256_t(o, pa[kc], vd + uint64_t(kc * 2 * RS / 16));
     }
     wg_commit();
     if (i + 1 < ntiles) load_k(stage ^ 1, j0 + BN);
@@ -701,7 +701,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
     const uint32_t v_last = kv_base + uint32_t((int((ntiles - 1) & 1) * 2 + 1) * C::kv_bytes);
     wg_fence();
 #pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc) wg_rs_n256_t(o, pa[kc], wg_desc(v_last + uint32_t(kc * 2) * RS, kVLbo, kVSbo));
+    for (int kc = 0; kc < BN / 16; ++kc)
+      wg_rs_n256_t(o, pa[kc], wg_desc(v_last, kVLbo, kVSbo) + uint64_t(kc * 2 * RS / 16));
     wg_commit();
     wg_wait<0>();
     reg_fence(o);
@@ -765,7 +766,10 @@ struct WgxCfg {
 
 // XA: the partial-S exchange by st.async into the partner's buffer, completing on its mbarrier (per warpgroup), and an
 // mbarrier "buffer free" arrive back, instead of cluster-wide barriers (no release fence after the stores, and the two
-// warpgroups exchange independently).
+// warpgroups exchange independently). The "free" arrive keeps the default .release.cta (it only has to order this
+// warpgroup's reads of its buffer, done at the named barrier, before the partner's next writes; as CUTLASS's
+// consumer_release): .release.cluster compiles to MEMBAR.ALL.GPU, which waited for the thread's in-flight K/V loads
+// each tile (0.206 -> 0.184 ms at kv 4096 with the stepped descriptors).
 template <int D_, bool XA>
 __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, Split sp) {
 #if defined(DG_ATTN_WGMMA)
@@ -813,6 +817,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
   const uint32_t q_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t kv_base = q_base + uint32_t(C::q_bytes);
   const uint32_t x_local = q_base + uint32_t(C::q_bytes + 4 * C::kv_bytes);
+  const uint64_t qd = wg_desc(q_base + uint32_t(rbase / 8) * RS, 128, RS);  // this warpgroup's 64 rows of Q half
   uint32_t x_remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(x_remote) : "r"(x_local), "r"(dp ^ 1u));
   // XA: mbarriers after the exchange buffer: xfull[wg] (the partner's S has landed here), xfree[wg] (the partner is
@@ -840,9 +845,10 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
                   tid);
   };
   auto pv = [&](uint32_t v_tile, const uint32_t (&p)[BN / 16][4]) {
+    const uint64_t vd = wg_desc(v_tile, RS, 128);
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc) {
-      const uint64_t db = wg_desc(v_tile + uint32_t(kc * 2) * RS, RS, 128);
+      const uint64_t db = vd + uint64_t(kc * 2 * RS / 16);
       if constexpr (DH == 256) wg_rs_n256_t(o, p[kc], db);
       else wg_rs_n128_t(o, p[kc], db);
     }
@@ -866,12 +872,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
 #pragma unroll
     for (int t = 0; t < NT * 4; ++t) s[t] = 0.0f;
     wg_fence();
+    const uint64_t kd = wg_desc(k_tile, 128, RS);
 #pragma unroll
-    for (int kk = 0; kk < DH; kk += 16) {
-      const uint64_t da = wg_desc(q_base + uint32_t(rbase / 8) * RS + uint32_t(kk) * 16, 128, RS);
-      const uint64_t db = wg_desc(k_tile + uint32_t(kk) * 16, 128, RS);
-      wg_ss_n64(s, da, db);
-    }
+    for (int kk = 0; kk < DH; kk += 16) wg_ss_n64(s, qd + uint64_t(kk), kd + uint64_t(kk));  // + kk * 16 bytes
     wg_commit();
     if (i > 0) pv(kv_base + uint32_t(((stage ^ 1) * 2 + 1) * C::kv_bytes), pa);
     wg_commit();
@@ -901,7 +904,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
       }
       asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // the warpgroup's reads are done
       if ((tid & 127) == 0)
-        asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(xfree_remote) : "memory");
+        asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(xfree_remote) : "memory");
     } else {
       if (i > 0) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // partner done reading its buffer
 #pragma unroll
