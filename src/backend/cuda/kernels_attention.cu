@@ -6,7 +6,27 @@
 //   attention_k<D>        everything else (other GPUs, other head dims): mma.sync m16n8k16, described here.
 // All three: f32 online softmax, P rounded to bf16 for the P.V product (as HF's eager path does), the row sum from the
 // unrounded f32 p, the same split-KV with a fixed-order combine; bitwise deterministic (results differ from one kernel
-// to another only by the tensor cores' summation order).
+// to another by the tensor cores' summation order, and the wgmma kernels' exp is ex2(s log2 e - m log2 e), kFoldExp).
+//
+// The two wgmma kernels (below) run a software pipeline, FA3's intra-warpgroup overlap: iteration i issues
+// S(i) = Q K(i)^T and O += P(i-1) V(i-1) back to back, waits for S(i) only, and does the (D = 512: S exchange and)
+// softmax of tile i while the tensor cores run P(i-1) V(i-1); K is loaded one tile ahead of V, so the 2-stage K and V
+// rings still fit. H200 (attention_bench; "before" = the kernels before this, built into the same binary; 04:11Z),
+// per layer: sliding denoise 43.0 -> 40.0 us, full denoise kv 512 / 4096 / 32768 58.9 -> 50.9 us, 0.242 -> 0.184
+// ms, 1.656 -> 1.254 ms, prefill T 4096 sliding 0.364 -> 0.299 ms, full 1.691 -> 1.284 ms; per denoise step (25
+// sliding + 5 full) kv 512 / 4096 / 32768 1.369 -> 1.254, 2.285 -> 1.922, 9.356 -> 7.271 ms. Roughly (kv 4096 full
+// layer): the pipeline alone 0.242 -> 0.237 ms; load addresses without per-row 64-bit index math (load_tile's fast
+// path) and the st.async / mbarrier S exchange of attention_wgx_k (XA) -> 0.218; the folded exp -> 0.206; the XA
+// "buffer free" arrive at .release.cta instead of .release.cluster (which compiled to MEMBAR.ALL.GPU, waiting for
+// the thread's in-flight loads, once per tile) and stepped wgmma descriptors -> 0.184 ms.
+// What limits them now (ncu at kv 4096, before the last step): tensor pipe ~18% active, issue slots ~20% busy,
+// ~1170 instructions per warp per 64-key tile, stalls on fixed-latency dependencies and the S wait: two warps per
+// scheduler, both warpgroups in lockstep through one __syncthreads per tile. Next: a producer warp + mbarrier K/V ring
+// so the two consumer warpgroups can ping-pong (needs setmaxnreg: the consumers use ~246 registers).
+// Tried here and dropped: the split-KV merged inside a cluster of the nsplit CTAs through DSMEM (no workspace, no
+// combine launch): bitwise equal to the combine kernel, but the H200 holds only 30 clusters of 4 CTAs with this shared
+// memory (15 of 8), and the denoise grids need 32, so it never applied at model shapes; issuing the V loads after
+// the softmax (kLateV) was slower (step kv 4096 2.079 vs 2.037 ms).
 //
 // attention_k layout. A block has 8 warps; each warp owns 16 rows and DW = min(D, 256) columns of the head dim:
 //   D <= 256: one warp per 16 rows (BM = 128 rows a block), O = 16 x D f32 in registers (128 / lane at D = 256);
@@ -319,6 +339,172 @@ __global__ void __launch_bounds__(kThreads, 1) attention_k(AttentionArgs a, Spli
   }
 }
 
+// ---- shared by the wgmma kernels ------------------------------------------------------------------------------------
+// One 64-key x W-column bf16 tile (K or V rows j0 .. j0 + 63 of kv head kvh, head-dim columns col0 .. col0 + W - 1;
+// rows at or past je zero-filled) into the no-swizzle core-matrix layout (16 W bytes per 8-row group): 16-byte chunk
+// i = tid + 256 k -> row 8 (hi / (W / 16)) + (lo & 7), column chunk 2 (hi % (W / 16)) + (lo >> 3), lo = i & 15,
+// hi = i >> 4 (8 consecutive threads fill one 128-byte core matrix: no bank conflicts). fp_mod = first_pos % cap;
+// cached keys are j < n_old <= cap.
+template <int W>
+__device__ __forceinline__ void load_tile(unsigned char* dst, const bf16* cache, const bf16* fresh,
+                                          const AttentionArgs& a, int D, int kvh, int col0, int64_t j0, int64_t je,
+                                          int64_t fp_mod, int tid) {
+  constexpr int kChunks = 64 * W / 8 / kThreads;
+  // Fast path (all but the boundary tiles): the 64 keys are valid and contiguous in one tensor (no ring wrap, not
+  // across the cache / new boundary), so a row's address is the tile's plus r rows.
+  const bf16* tb = nullptr;
+  if (j0 + 64 <= je) {
+    if (j0 + 64 <= a.n_old) {
+      int64_t s0 = fp_mod + j0;
+      if (s0 >= a.cap) s0 -= a.cap;
+      if (s0 + 64 <= a.cap) tb = cache + (size_t(s0) * a.nkv + kvh) * D + col0;
+    } else if (j0 >= a.n_old) {
+      tb = fresh + (size_t(j0 - a.n_old) * a.nkv + kvh) * D + col0;
+    }
+  }
+  if (tb) {  // chunk k of this thread: row r0 + k * (2048 / W), the same column chunk; 4096 bytes further in smem
+    static_assert(W <= 256 && 256 % W == 0, "");
+    const int lo = tid & 15, hi = tid >> 4;
+    const int r0 = (hi / (W / 16)) * 8 + (lo & 7), c8 = (hi % (W / 16)) * 2 + (lo >> 3);
+    const size_t step = size_t(2048 / W) * a.nkv * D;
+    const bf16* src = tb + size_t(r0) * a.nkv * D + c8 * 8;
+    unsigned char* d = dst + (r0 >> 3) * (W * 16) + c8 * 128 + (r0 & 7) * 16;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k, src += step) cp_async16(d + k * 4096, src, true);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int i = tid + k * kThreads, lo = i & 15, hi = i >> 4;
+    const int r = (hi / (W / 16)) * 8 + (lo & 7), c8 = (hi % (W / 16)) * 2 + (lo >> 3);
+    const int64_t j = j0 + r;
+    const bool ok = j < je;
+    const bf16* src = fresh;
+    if (ok) {
+      if (j < a.n_old) {
+        int64_t slot = fp_mod + j;
+        while (slot >= a.cap) slot -= a.cap;
+        src = cache + (size_t(slot) * a.nkv + kvh) * D + col0 + c8 * 8;
+      } else {
+        src = fresh + (size_t(j - a.n_old) * a.nkv + kvh) * D + col0 + c8 * 8;
+      }
+    }
+    cp_async16(dst + (r >> 3) * (W * 16) + c8 * 128 + (r & 7) * 16, src, ok);
+  }
+}
+
+// The 128-row Q tile (rows m0 .. m0 + 127 of kv head kvh's (query, head) rows, head-dim columns col0 .. col0 + W - 1;
+// rows past rows_total zero-filled) in the same layout and chunk mapping as load_tile: thread tid fills rows
+// r0 + k (2048 / W), stepping (query, head) = (row / g, row % g) without a division per row.
+template <int W>
+__device__ __forceinline__ void load_q_tile(unsigned char* dst, const AttentionArgs& a, int D, int kvh, int g, int col0,
+                                            int m0, int rows_total, int tid) {
+  static_assert(W <= 256 && 256 % W == 0, "");
+  constexpr int kChunks = 128 * W / 8 / kThreads, kStep = 2048 / W;
+  const int lo = tid & 15, hi = tid >> 4;
+  const int r0 = (hi / (W / 16)) * 8 + (lo & 7), c8 = (hi % (W / 16)) * 2 + (lo >> 3);
+  unsigned char* d = dst + (r0 >> 3) * (W * 16) + c8 * 128 + (r0 & 7) * 16;
+  int gr = m0 + r0, qt = gr / g, hh = gr % g;
+  const int dq = kStep / g, dh = kStep % g;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const bool ok = gr < rows_total;
+    const bf16* src = a.q;
+    if (ok) src = a.q + (size_t(qt) * a.nh + kvh * g + hh) * D + col0 + c8 * 8;
+    cp_async16(d + k * 4096, src, ok);
+    gr += kStep, qt += dq, hh += dh;
+    if (hh >= g) hh -= g, ++qt;
+  }
+}
+
+// The wgmma loops issue the cp.async loads of K(i+1) right after the wgmmas of iteration i; V(i) with them
+// (kLateV false) or after the softmax of tile i (true: the softmax starts sooner, V has less time to land).
+[[maybe_unused]] constexpr bool kLateV = false;
+// mask_softmax: exp(s - m) as one FFMA + ex2.approx (true), or __expf(s - m) as the kernels before (false).
+[[maybe_unused]] constexpr bool kFoldExp = true;
+
+// Mask (keys past je; causal / window outside the tile's fully visible part) and the online softmax of one S tile in
+// wgmma accumulator order (s[4 t + e]: key 8 t + 2 tig + (e & 1), row grp + 8 (e >> 1) of the warp's 16): row max
+// over the quad, alpha = exp(m_old - m_new), p = exp(s - m_new) written back into s, lane-partial row sums.
+template <int NT>
+__device__ __forceinline__ void mask_softmax(float (&s)[NT * 4], float (&alpha)[2], float (&m_r)[2], float (&l_r)[2],
+                                             const AttentionArgs& a, int64_t j0, int64_t je, int64_t q_min,
+                                             int64_t q_max, const int64_t (&qp)[2], int tig) {
+  constexpr int BN = NT * 8;
+  const int64_t kp_lo = a.first_pos + j0, kp_hi = kp_lo + BN - 1;
+  const bool full_vis = !a.causal || (kp_hi <= q_min && (a.window == 0 || q_max - kp_lo < a.window));
+  if (j0 + BN > je || !full_vis) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t j = j0 + t * 8 + tig * 2 + (e & 1), kp = a.first_pos + j, q = qp[e >> 1];
+        bool ok = j < je;
+        if (a.causal) ok = ok && kp <= q && (a.window == 0 || q - kp < a.window);
+        if (!ok) s[t * 4 + e] = -INFINITY;
+      }
+  }
+  if constexpr (kFoldExp) {
+    // exp(x - m) as ex2(x log2 e - m log2 e): one FFMA + MUFU per element (s = -inf -> ex2(-inf) = 0; a row with
+    // no visible key yet (m = -inf) uses 0 for the max); max and sum in two independent chains.
+    constexpr float kL2e = 1.4426950408889634f;
+    auto ex2_approx = [](float x) {
+      float y;
+      asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+      return y;
+    };
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int t = 0; t < NT; t += 2) {
+        mx0 = fmaxf(mx0, fmaxf(s[t * 4 + 2 * h], s[t * 4 + 2 * h + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[t * 4 + 4 + 2 * h], s[t * 4 + 4 + 2 * h + 1]));
+      }
+      float mx = fmaxf(mx0, mx1);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_r[h], mx);
+      const float mb = m_new == -INFINITY ? 0.0f : m_new * kL2e;
+      alpha[h] = 1.0f;
+      if (m_new != -INFINITY) alpha[h] = m_r[h] == -INFINITY ? 0.0f : ex2_approx(m_r[h] * kL2e - mb);
+      m_r[h] = m_new;
+      float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const float p0 = ex2_approx(s[t * 4 + 2 * h] * kL2e - mb), p1 = ex2_approx(s[t * 4 + 2 * h + 1] * kL2e - mb);
+        s[t * 4 + 2 * h] = p0, s[t * 4 + 2 * h + 1] = p1;
+        if (t & 1) sum1 += p0 + p1;
+        else sum0 += p0 + p1;
+      }
+      l_r[h] = l_r[h] * alpha[h] + (sum0 + sum1);
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) mx = fmaxf(mx, fmaxf(s[t * 4 + 2 * h], s[t * 4 + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_r[h], mx);
+      alpha[h] = 1.0f;
+      if (m_new != -INFINITY) alpha[h] = m_r[h] == -INFINITY ? 0.0f : __expf(m_r[h] - m_new);
+      m_r[h] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const float p = s[t * 4 + e] == -INFINITY ? 0.0f : __expf(s[t * 4 + e] - m_new);
+          sum += p;
+          s[t * 4 + e] = p;
+        }
+      l_r[h] = l_r[h] * alpha[h] + sum;
+    }
+  }
+}
+
 // ---- wgmma path (sm_90a), D = 256 ---------------------------------------------------------------------------------
 // A block is 2 warpgroups, each owning 64 rows (BM = 128), O = 64 x 256 f32 (128 registers / thread). S = Q K^T:
 // wgmma m64n64k16 with Q and K from shared memory (K-major); O += P V: wgmma m64n256k16 with P (bf16, the S
@@ -343,6 +529,8 @@ struct WgCfg {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DG_ATTN_WGMMA 1
 // Shared-memory matrix descriptor, no swizzle: start, leading (LBO) and stride (SBO) byte offsets.
+// (saddr >> 4 stays below 2^14 for any shared-memory address of these kernels, so a descriptor plus n is the
+// descriptor of saddr + 16 n: the loops step descriptors instead of rebuilding them.)
 __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
   return uint64_t((saddr >> 4) & 0x3FFFu) | (uint64_t((lbo >> 4) & 0x3FFFu) << 16) |
          (uint64_t((sbo >> 4) & 0x3FFFu) << 32);
@@ -381,6 +569,18 @@ __device__ __forceinline__ void wg_rs_n256_t(float (&d)[128], const uint32_t (&a
 }
 #endif
 
+#if defined(DG_ATTN_WGMMA)
+// Waits for the phase of parity `parity` of a shared-memory mbarrier to complete (acquire at cluster scope: the data
+// it guards may have come from the partner CTA).
+__device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nLAB_WAIT:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(addr),
+      "r"(parity)
+      : "memory");
+}
+#endif
 #if defined(DG_ATTN_WGMMA)
 __device__ __forceinline__ void cluster_sync_all() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
@@ -431,112 +631,57 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
 
   const uint32_t q_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t kv_base = q_base + uint32_t(C::q_bytes);
-  // chunk i (16 bytes) of a tile -> (row, 8-column group); 16 consecutive chunks fill two adjacent core matrices.
-  auto chunk = [](int i, int& r, int& c8) {
-    const int lo = i & 15, hi = i >> 4;
-    r = (hi / (D / 16)) * 8 + (lo & 7);
-    c8 = (hi % (D / 16)) * 2 + (lo >> 3);
-  };
-  auto soff = [](int r, int c8) { return (r >> 3) * RS + c8 * 128 + (r & 7) * 16; };
-  for (int i = tid; i < BM * (D / 8); i += kThreads) {
-    int r, c8;
-    chunk(i, r, c8);
-    const int gr = m0 + r;
-    const bool ok = gr < rows_total;
-    const bf16* src = a.q;
-    if (ok) src = a.q + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + c8 * 8;
-    cp_async16(smem + soff(r, c8), src, ok);
-  }
+  const uint64_t qd = wg_desc(q_base + uint32_t(rbase / 8) * RS, 128, RS);  // this warpgroup's 64 rows of Q
+  load_q_tile<D>(smem, a, D, kvh, g, 0, m0, rows_total, tid);
   const int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
-  auto load_kv = [&](int stage, int64_t j0) {
-    unsigned char* Kd = KVs + size_t(stage * 2) * C::kv_bytes;
-    unsigned char* Vd = Kd + C::kv_bytes;
-    const int64_t slot0 = (a.first_pos + j0) % a.cap;
-    for (int i = tid; i < BN * (D / 8); i += kThreads) {
-      int r, c8;
-      chunk(i, r, c8);
-      const int64_t j = j0 + r;
-      const bool ok = j < je;
-      const bf16 *ks = a.k_new, *vs = a.v_new;
-      if (ok) {
-        if (j < a.n_old) {
-          int64_t slot = slot0 + r;
-          while (slot >= a.cap) slot -= a.cap;
-          const size_t off = (size_t(slot) * a.nkv + kvh) * D + c8 * 8;
-          ks = a.k_cache + off, vs = a.v_cache + off;
-        } else {
-          const size_t off = (size_t(j - a.n_old) * a.nkv + kvh) * D + c8 * 8;
-          ks = a.k_new + off, vs = a.v_new + off;
-        }
-      }
-      cp_async16(Kd + soff(r, c8), ks, ok);
-      cp_async16(Vd + soff(r, c8), vs, ok);
-    }
+  const int64_t fp_mod = a.first_pos % a.cap;
+  auto load_k = [&](int stage, int64_t j0) {
+    load_tile<D>(KVs + size_t(stage * 2) * C::kv_bytes, a.k_cache, a.k_new, a, D, kvh, 0, j0, je, fp_mod, tid);
   };
-  if (ntiles > 0) load_kv(0, jb);
+  auto load_v = [&](int stage, int64_t j0) {
+    load_tile<D>(KVs + size_t(stage * 2 + 1) * C::kv_bytes, a.v_cache, a.v_new, a, D, kvh, 0, j0, je, fp_mod, tid);
+  };
+  if (ntiles > 0) load_k(0, jb);
   cp_async_commit();
 
+  // Software pipeline (FA3's intra-warpgroup overlap): iteration i issues S(i) = Q K(i)^T and then O += P(i-1) V(i-1)
+  // back to back, waits for S(i) only, runs the softmax of tile i while the tensor cores do P(i-1) V(i-1), then
+  // rescales O. Same operations on O in the same order as the plain loop (O += P(i-1)V(i-1); O *= alpha(i); ...).
+  // K runs one tile ahead of V: iteration i loads K(i+1) and V(i) (stages: K(i+1) over K(i-1), V(i) over V(i-2)).
+  uint32_t pa[BN / 16][4];  // P(i-1) as the A fragments of P.V
   for (int64_t i = 0; i < ntiles; ++i) {
     const int stage = int(i & 1);
     const int64_t j0 = jb + i * BN;
     cp_async_wait<0>();
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
-    __syncthreads();
-    if (i + 1 < ntiles) load_kv(stage ^ 1, j0 + BN);
-    cp_async_commit();
-    const uint32_t k_tile = kv_base + uint32_t(stage * 2 * C::kv_bytes), v_tile = k_tile + uint32_t(C::kv_bytes);
+    __syncthreads();  // K(i), V(i-1) visible; both warpgroups are done with K(i-1) and V(i-2)
+    const uint32_t k_tile = kv_base + uint32_t(stage * 2 * C::kv_bytes);
 
     float s[NT * 4];
 #pragma unroll
     for (int t = 0; t < NT * 4; ++t) s[t] = 0.0f;
     wg_fence();
+    const uint64_t kd = wg_desc(k_tile, 128, RS);
 #pragma unroll
-    for (int kk = 0; kk < D; kk += 16) {
-      const uint32_t col_b = uint32_t(kk) * 16;  // (column / 8) * 128 bytes
-      const uint64_t da = wg_desc(q_base + uint32_t(rbase / 8) * RS + col_b, 128, RS);
-      const uint64_t db = wg_desc(k_tile + col_b, 128, RS);
-      wg_ss_n64(s, da, db);
+    for (int kk = 0; kk < D; kk += 16) wg_ss_n64(s, qd + uint64_t(kk), kd + uint64_t(kk));  // + kk * 16 bytes
+    wg_commit();
+    if (i > 0) {
+      const uint64_t vd = wg_desc(kv_base + uint32_t(((stage ^ 1) * 2 + 1) * C::kv_bytes), kVLbo, kVSbo);
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc) wg_rs_n256_t(o, pa[kc], vd + uint64_t(kc * 2 * RS / 16));
     }
     wg_commit();
-    wg_wait<0>();
+    if (i + 1 < ntiles) load_k(stage ^ 1, j0 + BN);
+    if constexpr (!kLateV) load_v(stage, j0);
+    wg_wait<1>();  // S(i) done; P(i-1) V(i-1) may still run
     reg_fence(s);
 
-    const int64_t kp_lo = a.first_pos + j0, kp_hi = kp_lo + BN - 1;
-    const bool full_vis = !a.causal || (kp_hi <= q_min && (a.window == 0 || q_max - kp_lo < a.window));
-    if (j0 + BN > je || !full_vis) {
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t j = j0 + t * 8 + tig * 2 + (e & 1), kp = a.first_pos + j, q = qp[e >> 1];
-          bool ok = j < je;
-          if (a.causal) ok = ok && kp <= q && (a.window == 0 || q - kp < a.window);
-          if (!ok) s[t * 4 + e] = -INFINITY;
-        }
-    }
     float alpha[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int t = 0; t < NT; ++t) mx = fmaxf(mx, fmaxf(s[t * 4 + 2 * h], s[t * 4 + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_r[h], mx);
-      alpha[h] = 1.0f;
-      if (m_new != -INFINITY) alpha[h] = m_r[h] == -INFINITY ? 0.0f : __expf(m_r[h] - m_new);
-      m_r[h] = m_new;
-      float sum = 0.0f;
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          const float p = s[t * 4 + e] == -INFINITY ? 0.0f : __expf(s[t * 4 + e] - m_new);
-          sum += p;
-          s[t * 4 + e] = p;
-        }
-      l_r[h] = l_r[h] * alpha[h] + sum;
-    }
+    mask_softmax<NT>(s, alpha, m_r, l_r, a, j0, je, q_min, q_max, qp, tig);
+    if constexpr (kLateV) load_v(stage, j0);
+    cp_async_commit();
+    wg_wait<0>();
+    reg_fence(o);
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
       for (int t = 0; t < OT; ++t) {
@@ -544,22 +689,26 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
         o[t * 4 + 2] *= alpha[1], o[t * 4 + 3] *= alpha[1];
       }
     }
-    uint32_t pa[BN / 16][4];  // P as the A fragments (rows of the warp x 16 keys), packed before the fence
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc)
 #pragma unroll
       for (int r = 0; r < 4; ++r) pa[kc][r] = pack_bf16(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
+  }
+  if (ntiles > 0) {  // O += P(last) V(last)
+    cp_async_wait<0>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    const uint32_t v_last = kv_base + uint32_t((int((ntiles - 1) & 1) * 2 + 1) * C::kv_bytes);
     wg_fence();
 #pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc) {
-      const uint64_t db = wg_desc(v_tile + uint32_t(kc * 2) * RS, kVLbo, kVSbo);
-      wg_rs_n256_t(o, pa[kc], db);
-    }
+    for (int kc = 0; kc < BN / 16; ++kc)
+      wg_rs_n256_t(o, pa[kc], wg_desc(v_last, kVLbo, kVSbo) + uint64_t(kc * 2 * RS / 16));
     wg_commit();
     wg_wait<0>();
     reg_fence(o);
+  } else {
+    cp_async_wait<0>();
   }
-  cp_async_wait<0>();
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -603,7 +752,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
 // add them (a + b == b + a: bitwise the same S, hence the same P, m and l in both). L2 traffic per row-key drops from
 // 32 to 8 bytes, plus 4 bytes of DSMEM; 224 KB of shared memory. H200, per layer, attention_k -> this: kv 512 / 4096 /
 // 32768 denoise 67.7 -> 58.5 us, 0.309 -> 0.242 ms, 2.146 -> 1.663 ms; causal prefill T 4096 1.977 -> 1.694 ms (ncu
-// kv 4096: L2 50% busy, SM 28%: now latency bound, S -> exchange -> softmax -> P.V in lockstep, no overlap).
+// kv 4096: L2 50% busy, SM 28%: now latency bound, S -> exchange -> softmax -> P.V in lockstep, no overlap). Since
+// then: the software pipeline of attention_wg_k and the XA exchange (below), see the file's header.
 // D = 256 through this kernel (DH = 128, kWgx256) was measured and is off: sliding denoise 60.3 vs 42.9 us for
 // attention_wg_k, sliding prefill 0.61 vs 0.36 ms.
 template <int D_>
@@ -611,10 +761,16 @@ struct WgxCfg {
   static constexpr int D = D_, DH = D / 2, BM = 128, BN = 64, RS = DH * 16;
   static constexpr size_t q_bytes = size_t(BM) * DH * 2, kv_bytes = size_t(BN) * DH * 2;
   static constexpr size_t x_bytes = size_t(BM) * BN * 4;
-  static constexpr size_t smem = q_bytes + 4 * kv_bytes + x_bytes;  // 224 KB
+  static constexpr size_t smem = q_bytes + 4 * kv_bytes + x_bytes + 32;  // 224 KB + 4 mbarriers
 };
 
-template <int D_>
+// XA: the partial-S exchange by st.async into the partner's buffer, completing on its mbarrier (per warpgroup), and an
+// mbarrier "buffer free" arrive back, instead of cluster-wide barriers (no release fence after the stores, and the two
+// warpgroups exchange independently). The "free" arrive keeps the default .release.cta (it only has to order this
+// warpgroup's reads of its buffer, done at the named barrier, before the partner's next writes; as CUTLASS's
+// consumer_release): .release.cluster compiles to MEMBAR.ALL.GPU, which waited for the thread's in-flight K/V loads
+// each tile (0.206 -> 0.184 ms at kv 4096 with the stepped descriptors).
+template <int D_, bool XA>
 __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, Split sp) {
 #if defined(DG_ATTN_WGMMA)
   using C = WgxCfg<D_>;
@@ -661,130 +817,118 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
   const uint32_t q_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t kv_base = q_base + uint32_t(C::q_bytes);
   const uint32_t x_local = q_base + uint32_t(C::q_bytes + 4 * C::kv_bytes);
+  const uint64_t qd = wg_desc(q_base + uint32_t(rbase / 8) * RS, 128, RS);  // this warpgroup's 64 rows of Q half
   uint32_t x_remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(x_remote) : "r"(x_local), "r"(dp ^ 1u));
-  auto chunk = [](int i, int& r, int& c8) {
-    const int lo = i & 15, hi = i >> 4;
-    r = (hi / (DH / 16)) * 8 + (lo & 7);
-    c8 = (hi % (DH / 16)) * 2 + (lo >> 3);
-  };
-  auto soff = [](int r, int c8) { return (r >> 3) * RS + c8 * 128 + (r & 7) * 16; };
-  const int colh = int(dp) * DH;  // first head-dim column of this block
-  for (int i = tid; i < BM * (DH / 8); i += kThreads) {
-    int r, c8;
-    chunk(i, r, c8);
-    const int gr = m0 + r;
-    const bool ok = gr < rows_total;
-    const bf16* src = a.q;
-    if (ok) src = a.q + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + colh + c8 * 8;
-    cp_async16(smem + soff(r, c8), src, ok);
+  // XA: mbarriers after the exchange buffer: xfull[wg] (the partner's S has landed here), xfree[wg] (the partner is
+  // done reading what this block stored into its buffer).
+  const uint32_t xfull = x_local + uint32_t(C::x_bytes) + 8u * uint32_t(wg), xfree = xfull + 16u;
+  uint32_t xfull_remote = 0, xfree_remote = 0;
+  if constexpr (XA) {
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(xfull_remote) : "r"(xfull), "r"(dp ^ 1u));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(xfree_remote) : "r"(xfree), "r"(dp ^ 1u));
+    if ((tid & 127) == 0) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(xfull) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(xfree) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  const int colh = int(dp) * DH;  // first head-dim column of this block
+  load_q_tile<DH>(smem, a, D, kvh, g, colh, m0, rows_total, tid);
   const int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
-  auto load_kv = [&](int stage, int64_t j0) {
-    unsigned char* Kd = KVs + size_t(stage * 2) * C::kv_bytes;
-    unsigned char* Vd = Kd + C::kv_bytes;
-    const int64_t slot0 = (a.first_pos + j0) % a.cap;
-    for (int i = tid; i < BN * (DH / 8); i += kThreads) {
-      int r, c8;
-      chunk(i, r, c8);
-      const int64_t j = j0 + r;
-      const bool ok = j < je;
-      const bf16 *ks = a.k_new, *vs = a.v_new;
-      if (ok) {
-        if (j < a.n_old) {
-          int64_t slot = slot0 + r;
-          while (slot >= a.cap) slot -= a.cap;
-          const size_t off = (size_t(slot) * a.nkv + kvh) * D + colh + c8 * 8;
-          ks = a.k_cache + off, vs = a.v_cache + off;
-        } else {
-          const size_t off = (size_t(j - a.n_old) * a.nkv + kvh) * D + colh + c8 * 8;
-          ks = a.k_new + off, vs = a.v_new + off;
-        }
-      }
-      cp_async16(Kd + soff(r, c8), ks, ok);
-      cp_async16(Vd + soff(r, c8), vs, ok);
+  const int64_t fp_mod = a.first_pos % a.cap;
+  auto load_k = [&](int stage, int64_t j0) {
+    load_tile<DH>(KVs + size_t(stage * 2) * C::kv_bytes, a.k_cache, a.k_new, a, D, kvh, colh, j0, je, fp_mod, tid);
+  };
+  auto load_v = [&](int stage, int64_t j0) {
+    load_tile<DH>(KVs + size_t(stage * 2 + 1) * C::kv_bytes, a.v_cache, a.v_new, a, D, kvh, colh, j0, je, fp_mod,
+                  tid);
+  };
+  auto pv = [&](uint32_t v_tile, const uint32_t (&p)[BN / 16][4]) {
+    const uint64_t vd = wg_desc(v_tile, RS, 128);
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc) {
+      const uint64_t db = vd + uint64_t(kc * 2 * RS / 16);
+      if constexpr (DH == 256) wg_rs_n256_t(o, p[kc], db);
+      else wg_rs_n128_t(o, p[kc], db);
     }
   };
   cluster_sync_all();  // the partner runs before any DSMEM store into it
-  if (ntiles > 0) load_kv(0, jb);
+  if (ntiles > 0) load_k(0, jb);
   cp_async_commit();
 
+  // The software pipeline of attention_wg_k (S(i) and P(i-1) V(i-1) issued back to back; the S exchange and the
+  // softmax of tile i overlap P(i-1) V(i-1) on the tensor cores; K one tile ahead of V).
+  uint32_t pa[BN / 16][4];
   for (int64_t i = 0; i < ntiles; ++i) {
     const int stage = int(i & 1);
     const int64_t j0 = jb + i * BN;
     cp_async_wait<0>();
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
-    __syncthreads();
-    if (i + 1 < ntiles) load_kv(stage ^ 1, j0 + BN);
-    cp_async_commit();
-    const uint32_t k_tile = kv_base + uint32_t(stage * 2 * C::kv_bytes), v_tile = k_tile + uint32_t(C::kv_bytes);
+    __syncthreads();  // K(i), V(i-1) visible; both warpgroups are done with K(i-1) and V(i-2)
+    const uint32_t k_tile = kv_base + uint32_t(stage * 2 * C::kv_bytes);
 
     float s[NT * 4];
 #pragma unroll
     for (int t = 0; t < NT * 4; ++t) s[t] = 0.0f;
     wg_fence();
+    const uint64_t kd = wg_desc(k_tile, 128, RS);
 #pragma unroll
-    for (int kk = 0; kk < DH; kk += 16) {
-      const uint64_t da = wg_desc(q_base + uint32_t(rbase / 8) * RS + uint32_t(kk) * 16, 128, RS);
-      const uint64_t db = wg_desc(k_tile + uint32_t(kk) * 16, 128, RS);
-      wg_ss_n64(s, da, db);
-    }
+    for (int kk = 0; kk < DH; kk += 16) wg_ss_n64(s, qd + uint64_t(kk), kd + uint64_t(kk));  // + kk * 16 bytes
     wg_commit();
-    wg_wait<0>();
+    if (i > 0) pv(kv_base + uint32_t(((stage ^ 1) * 2 + 1) * C::kv_bytes), pa);
+    wg_commit();
+    if (i + 1 < ntiles) load_k(stage ^ 1, j0 + BN);
+    if constexpr (!kLateV) load_v(stage, j0);
+    wg_wait<1>();  // partial S(i) done; P(i-1) V(i-1) may still run
     reg_fence(s);
     // Swap partial S with the partner block: the same thread of the partner holds the same (row, key) elements.
-    if (i > 0) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // partner done reading its buffer
+    if constexpr (XA) {
+      if (i > 0) mbar_wait(xfree, uint32_t((i - 1) & 1));  // the partner's warpgroup is done reading tile i - 1
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const uint32_t addr = x_remote + uint32_t((t * kThreads + tid) * 16);
-      asm volatile("st.shared::cluster.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "f"(s[4 * t]), "f"(s[4 * t + 1]),
-                   "f"(s[4 * t + 2]), "f"(s[4 * t + 3])
-                   : "memory");
-    }
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+      for (int t = 0; t < NT; ++t) {
+        const uint32_t addr = x_remote + uint32_t((t * kThreads + tid) * 16);
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1,%2,%3,%4}, [%5];\n" ::"r"(
+                         addr),
+                     "f"(s[4 * t]), "f"(s[4 * t + 1]), "f"(s[4 * t + 2]), "f"(s[4 * t + 3]), "r"(xfull_remote)
+                     : "memory");
+      }
+      if ((tid & 127) == 0)
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(xfull), "n"(NT * 16 * 128)
+                     : "memory");
+      mbar_wait(xfull, uint32_t(i & 1));
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const float4 x = *reinterpret_cast<const float4*>(Xs + (t * kThreads + tid) * 4);
-      s[4 * t] += x.x, s[4 * t + 1] += x.y, s[4 * t + 2] += x.z, s[4 * t + 3] += x.w;
+      for (int t = 0; t < NT; ++t) {
+        const float4 x = *reinterpret_cast<const float4*>(Xs + (t * kThreads + tid) * 4);
+        s[4 * t] += x.x, s[4 * t + 1] += x.y, s[4 * t + 2] += x.z, s[4 * t + 3] += x.w;
+      }
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // the warpgroup's reads are done
+      if ((tid & 127) == 0)
+        asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(xfree_remote) : "memory");
+    } else {
+      if (i > 0) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // partner done reading its buffer
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const uint32_t addr = x_remote + uint32_t((t * kThreads + tid) * 16);
+        asm volatile("st.shared::cluster.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "f"(s[4 * t]), "f"(s[4 * t + 1]),
+                     "f"(s[4 * t + 2]), "f"(s[4 * t + 3])
+                     : "memory");
+      }
+      asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const float4 x = *reinterpret_cast<const float4*>(Xs + (t * kThreads + tid) * 4);
+        s[4 * t] += x.x, s[4 * t + 1] += x.y, s[4 * t + 2] += x.z, s[4 * t + 3] += x.w;
+      }
+      asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");  // done reading: the partner may write
     }
-    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");  // done reading: the partner may write
 
-    const int64_t kp_lo = a.first_pos + j0, kp_hi = kp_lo + BN - 1;
-    const bool full_vis = !a.causal || (kp_hi <= q_min && (a.window == 0 || q_max - kp_lo < a.window));
-    if (j0 + BN > je || !full_vis) {
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t j = j0 + t * 8 + tig * 2 + (e & 1), kp = a.first_pos + j, q = qp[e >> 1];
-          bool ok = j < je;
-          if (a.causal) ok = ok && kp <= q && (a.window == 0 || q - kp < a.window);
-          if (!ok) s[t * 4 + e] = -INFINITY;
-        }
-    }
     float alpha[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int t = 0; t < NT; ++t) mx = fmaxf(mx, fmaxf(s[t * 4 + 2 * h], s[t * 4 + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_r[h], mx);
-      alpha[h] = 1.0f;
-      if (m_new != -INFINITY) alpha[h] = m_r[h] == -INFINITY ? 0.0f : __expf(m_r[h] - m_new);
-      m_r[h] = m_new;
-      float sum = 0.0f;
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          const float p = s[t * 4 + e] == -INFINITY ? 0.0f : __expf(s[t * 4 + e] - m_new);
-          sum += p;
-          s[t * 4 + e] = p;
-        }
-      l_r[h] = l_r[h] * alpha[h] + sum;
-    }
+    mask_softmax<NT>(s, alpha, m_r, l_r, a, j0, je, q_min, q_max, qp, tig);
+    if constexpr (kLateV) load_v(stage, j0);
+    cp_async_commit();
+    wg_wait<0>();
+    reg_fence(o);
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
       for (int t = 0; t < OT; ++t) {
@@ -792,24 +936,26 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
         o[t * 4 + 2] *= alpha[1], o[t * 4 + 3] *= alpha[1];
       }
     }
-    uint32_t pa[BN / 16][4];
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc)
 #pragma unroll
       for (int r = 0; r < 4; ++r) pa[kc][r] = pack_bf16(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
+  }
+  if (ntiles > 0) {  // O += P(last) V(last)
+    cp_async_wait<0>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
     wg_fence();
-#pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc) {
-      const uint64_t db = wg_desc(v_tile + uint32_t(kc * 2) * RS, RS, 128);
-      if constexpr (DH == 256) wg_rs_n256_t(o, pa[kc], db);
-      else wg_rs_n128_t(o, pa[kc], db);
-    }
+    pv(kv_base + uint32_t((int((ntiles - 1) & 1) * 2 + 1) * C::kv_bytes), pa);
     wg_commit();
     wg_wait<0>();
     reg_fence(o);
+    if constexpr (!XA) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // pairs the last arrive
+  } else {
+    cp_async_wait<0>();
   }
-  cp_async_wait<0>();
-  if (ntiles > 0) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // pairs the last arrive
+  // XA: no block leaves while its partner may still arrive on its mbarriers
+  if constexpr (XA) cluster_sync_all();
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -891,6 +1037,7 @@ constexpr bool kWg256 = true;      // D = 256 through attention_wg_k (when not t
 constexpr bool kWgx512 = true;     // D = 512 through attention_wgx_k
 constexpr bool kWgxCausal = true;  // ... causal (prefill) launches too
 constexpr int64_t kWgxMinKeys = 0;  // ... when the launch has at least this many keys
+constexpr bool kXAsync = true;         // attention_wgx_k: S exchange by st.async + mbarriers (XA)
 template <typename K>
 bool hopper_build_of(K kernel) {
   int dev = 0, major = 0;
@@ -933,10 +1080,10 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
   using C = Cfg<D>;
   const int rows = a.T * (a.nh / a.nkv);
   if constexpr (D == 512 || D == 256) {
+    constexpr auto kernel = attention_wgx_k<D, kXAsync>;
     static const bool wgx = kWgmma && (D == 512 ? kWgx512 : kWgx256) && [] {
-      if (!hopper_build_of(attention_wgx_k<D>)) return false;
-      CUDA_CHECK(cudaFuncSetAttribute(attention_wgx_k<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      int(WgxCfg<D>::smem)));
+      if (!hopper_build_of(kernel)) return false;
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(WgxCfg<D>::smem)));
       return true;
     }();
     if (wgx && (!a.causal || kWgxCausal) && a.n_old + a.T_new >= kWgxMinKeys) {
@@ -952,7 +1099,7 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       at[0].id = cudaLaunchAttributeClusterDimension;
       at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
       cfg.attrs = at, cfg.numAttrs = 1;
-      CUDA_CHECK(cudaLaunchKernelEx(&cfg, attention_wgx_k<D>, a, sp));
+      CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, sp));
       return combine(a, sp, s);
     }
   }

@@ -3,7 +3,9 @@
 # an older kernel (tools/gpu/microbench/attention_old.cuh); the binary needs no other libraries on the GPU
 # machine. VARIANT_SED='sed expression' adds a third build of the file with that edit applied (printed as "var"),
 # e.g. VARIANT_SED='s/^#pragma unroll 4$/#pragma unroll/' to try the Q.K^T loop fully unrolled; VARIANT_SED2 likewise
-# adds a fourth ("var2").
+# adds a fourth ("var2"). VARIANT_SRC / VARIANT_SRC2=file: build the variant from that file instead (e.g. the committed
+# kernel, `git show main:src/backend/cuda/kernels_attention.cu > f`, as the "before" column); VARIANT_SED may then
+# be 's/^$//' (no edit).
 set -e
 cd "$(dirname "$0")/../../.."
 out=${1:-build-attn}
@@ -13,14 +15,14 @@ src=${ATTN_SRC:-src/backend/cuda/kernels_attention.cu}  # ATTN_SRC: build anothe
 extra=""
 if [ -n "$VARIANT_SED" ]; then
   decl='^void attention(const AttentionArgs& a, cudaStream_t s) {'
-  sed "$VARIANT_SED; s/$decl/void attention_v3(const AttentionArgs\& a, cudaStream_t s) {/" $src >"$out/attn_var.cu"
+  sed "$VARIANT_SED; s/$decl/void attention_v3(const AttentionArgs\& a, cudaStream_t s) {/" "${VARIANT_SRC:-$src}" >"$out/attn_var.cu"
   grep -q attention_v3 "$out/attn_var.cu"
   $NVCC -c "$out/attn_var.cu" -o "$out/attn_var.o"
   extra="-DWITH_V3 $out/attn_var.o"
 fi
 if [ -n "$VARIANT_SED2" ]; then  # a second variant, "var2"
   decl='^void attention(const AttentionArgs& a, cudaStream_t s) {'
-  sed "$VARIANT_SED2; s/$decl/void attention_v4(const AttentionArgs\& a, cudaStream_t s) {/" $src >"$out/attn_var2.cu"
+  sed "$VARIANT_SED2; s/$decl/void attention_v4(const AttentionArgs\& a, cudaStream_t s) {/" "${VARIANT_SRC2:-$src}" >"$out/attn_var2.cu"
   grep -q attention_v4 "$out/attn_var2.cu"
   $NVCC -c "$out/attn_var2.cu" -o "$out/attn_var2.o"
   extra="$extra -DWITH_V4 $out/attn_var2.o"
