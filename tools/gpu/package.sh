@@ -9,6 +9,9 @@ cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DDIFFGEMMA_STATIC=ON \
 cmake --build build-gpu -j"${JOBS:-2}" --target diffgemma diffgemma_tests
 rm -rf build-gpu-dist && mkdir -p build-gpu-dist/lib
 cp build-gpu/diffgemma build-gpu/diffgemma_tests build-gpu-dist/
+# What the binaries were built from (the device copy of the tree carries a stale .git: run_all.sh reads this instead).
+echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src tests CMakeLists.txt || echo '+uncommitted changes')" \
+  >build-gpu-dist/BUILT_FROM
 strip build-gpu-dist/diffgemma build-gpu-dist/diffgemma_tests
 # cuBLASLt (540 MB) is not carried: the GPU image has its own; everything else outside glibc travels.
 for bin in build-gpu-dist/diffgemma build-gpu-dist/diffgemma_tests; do

@@ -16,7 +16,8 @@ if [ ! -e /work/main/tests/fixtures ]; then mkdir -p /work && ln -sfn "$PWD" /wo
 cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublasLt.so.13*' 2>/dev/null | head -1)
 # Only for our binaries: the carried libstdc++ must not shadow the image's for python3.
 LIBS="$PWD/$DIST/lib:$(dirname "${cublas:-/nonexistent/x}"):${LD_LIBRARY_PATH:-}"
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(date -u +%FT%TZ)" | tee "$OUT/summary.txt"
+echo "binaries built from $(cat "$DIST/BUILT_FROM" 2>/dev/null || echo '? (no BUILT_FROM: rebuild with package.sh)') $(date -u +%FT%TZ)" |
+  tee "$OUT/summary.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv | tee -a "$OUT/summary.txt"
 
 FS_DIR=${FS_DIR:-/tmp/fullshape}
