@@ -94,11 +94,6 @@ double median(std::vector<double> v) {
 }
 
 int run_bench(const BenchArgs& args) {
-  const std::string& model_dir = args.model_dir;
-  const uint64_t seed = args.seed;
-  const int reps = args.reps, fixed_steps = args.fixed_steps, e2e_prompt = args.e2e_prompt;
-  const int e2e_tokens = args.e2e_tokens;
-  const bool json = args.json, breakdown = args.breakdown, grouped_experts = args.grouped_experts;
   // GEMM tuning times cuBLASLt candidates at each shape's first call, which cannot happen inside a graph capture.
   const bool no_graphs = args.no_graphs || args.tune_gemm;
   const std::vector<int> contexts = parse_sizes(args.contexts), prefills = parse_sizes(args.prefills);
@@ -108,13 +103,13 @@ int run_bench(const BenchArgs& args) {
   int max_ctx = 0;
   for (int c : contexts) max_ctx = std::max(max_ctx, c);
   for (int p : prefills) max_ctx = std::max(max_ctx, p);
-  if (fixed_steps > 0) max_ctx = std::max(max_ctx, e2e_prompt + e2e_tokens);
+  if (args.fixed_steps > 0) max_ctx = std::max(max_ctx, args.e2e_prompt + args.e2e_tokens);
   CudaOptions opt;
   opt.max_context = max_ctx + 1024;
   CudaStageTimes stages;
-  if (breakdown) opt.stage_times = &stages;
+  if (args.breakdown) opt.stage_times = &stages;
   opt.cuda_graphs = !no_graphs;
-  opt.padded_experts = !grouped_experts;
+  opt.padded_experts = !args.grouped_experts;
   opt.overlap_dense_mlp = !args.no_overlap;
   opt.dense_mlp_sms = args.dense_mlp_sms;
   CudaScStats sc_stats;
@@ -124,15 +119,15 @@ int run_bench(const BenchArgs& args) {
   std::unique_ptr<Backend> be;
   Timer timer;
   double load_ms = timer.ms([&] {
-    if (model_dir.empty()) {
-      be = make_cuda_backend_synthetic(full_size_config(), seed, opt);
+    if (args.model_dir.empty()) {
+      be = make_cuda_backend_synthetic(full_size_config(), args.seed, opt);
     } else {
-      model = load_model(model_dir);
+      model = load_model(args.model_dir);
       be = make_cuda_backend(*model, opt);
     }
   });
   const ModelConfig& cfg = be->config();
-  std::mt19937 rng{uint32_t(seed)};
+  std::mt19937 rng{uint32_t(args.seed)};
   auto random_ids = [&](int n) {
     std::vector<int32_t> ids(static_cast<size_t>(n));
     for (auto& x : ids) x = int32_t(rng() % uint32_t(cfg.vocab_size));
@@ -141,13 +136,14 @@ int run_bench(const BenchArgs& args) {
   const int L = cfg.canvas_length;
   nlohmann::json out;
   out["device"] = info.name;
-  out["weights"] = model_dir.empty() ? "synthetic full-size (seed " + std::to_string(seed) + ")" : model_dir;
+  out["weights"] =
+      args.model_dir.empty() ? "synthetic full-size (seed " + std::to_string(args.seed) + ")" : args.model_dir;
   out["load_ms"] = load_ms;
-  out["reps"] = reps;
+  out["reps"] = args.reps;
   out["cuda_graphs"] = !no_graphs;
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = args.dense_mlp_sms;
-  out["experts"] = grouped_experts ? "grouped kernels" : "padded strided-batched cuBLASLt";
+  out["experts"] = args.grouped_experts ? "grouped kernels" : "padded strided-batched cuBLASLt";
   out["sc"] = args.sc_sparse ? "sparse survivors (exact fallback per step)" : "exact (probs @ E GEMM)";
 
   // Prefill throughput from an empty cache (one untimed warm-up at the smallest size first).
@@ -176,12 +172,12 @@ int run_bench(const BenchArgs& args) {
     req.self_condition = SelfCondition::PreviousStep;
     for (int w = 0; w < 2; ++w) be->denoise(req, res);
     std::vector<double> t;
-    for (int r = 0; r < reps; ++r) t.push_back(timer.ms([&] { be->denoise(req, res); }));
+    for (int r = 0; r < args.reps; ++r) t.push_back(timer.ms([&] { be->denoise(req, res); }));
     const double step = median(t);
-    if (breakdown) {  // extra steps with a CUDA event after every stage; the step time above is without them
+    if (args.breakdown) {  // extra steps with a CUDA event after every stage; the step time above is without them
       stages.reset();
       stages.enabled = true;
-      for (int r = 0; r < reps; ++r) be->denoise(req, res);
+      for (int r = 0; r < args.reps; ++r) be->denoise(req, res);
       stages.enabled = false;
       double sum = 0;
       for (auto& [name, ms] : stages.ms) {
@@ -213,15 +209,15 @@ int run_bench(const BenchArgs& args) {
                  ctx, step, *std::min_element(t.begin(), t.end()), commit_ms, e2e);
   }
 
-  // End to end through the block loop: prompt prefill, then every canvas at exactly `fixed_steps` denoise steps
+  // End to end through the block loop: prompt prefill, then every canvas at exactly --fixed-steps denoise steps
   // (no early stop, no stop token), host sampler and commits included: HF's "prompt + N tokens at 16 steps" run.
-  if (fixed_steps > 0) {
+  if (args.fixed_steps > 0) {
     diffusion::GenerationOptions o;
-    o.max_new_tokens = e2e_tokens;
-    o.seed = seed;
-    o.fixed_steps(fixed_steps);
+    o.max_new_tokens = args.e2e_tokens;
+    o.seed = args.seed;
+    o.fixed_steps(args.fixed_steps);
     o.validate(cfg);
-    auto prompt = random_ids(e2e_prompt);
+    auto prompt = random_ids(args.e2e_prompt);
     std::vector<double> t;
     int64_t forwards = 0;
     for (int r = 0; r < 3; ++r) {  // the first run is the warm-up (graph capture at these kv lengths)
@@ -233,11 +229,12 @@ int run_bench(const BenchArgs& args) {
       forwards = res.forwards;
     }
     const double ms = median(t);
-    out["end_to_end"] = {{"prompt", e2e_prompt}, {"tokens", e2e_tokens}, {"steps_per_canvas", fixed_steps},
-                         {"forwards", forwards}, {"ms", ms}, {"tok_per_s", e2e_tokens / (ms / 1e3)}};
+    out["end_to_end"] = {{"prompt", args.e2e_prompt}, {"tokens", args.e2e_tokens},
+                         {"steps_per_canvas", args.fixed_steps}, {"forwards", forwards},
+                         {"ms", ms}, {"tok_per_s", args.e2e_tokens / (ms / 1e3)}};
     std::fprintf(stderr, "end to end: %d-token prompt + %d tokens at %d steps per canvas: %.1f ms (%lld forwards), "
-                 "%.0f tok/s\n", e2e_prompt, e2e_tokens, fixed_steps, ms, static_cast<long long>(forwards),
-                 e2e_tokens / (ms / 1e3));
+                 "%.0f tok/s\n", args.e2e_prompt, args.e2e_tokens, args.fixed_steps, ms,
+                 static_cast<long long>(forwards), args.e2e_tokens / (ms / 1e3));
   }
 
   // Which SC path the PreviousStep steps took. The synthetic weights give near-flat logits (every row far over the
@@ -261,7 +258,7 @@ int run_bench(const BenchArgs& args) {
     for (auto& l : lines) std::fprintf(stderr, "%s\n", l.c_str());
   }
 
-  if (json) {
+  if (args.json) {
     std::printf("%s\n", out.dump(2).c_str());
   } else {
     std::printf("device: %s\nweights: %s\nexperts: %s\nSC: %s\n\n", info.name.c_str(),

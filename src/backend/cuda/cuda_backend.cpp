@@ -291,8 +291,6 @@ class CudaBackend final : public Backend {
       fail("CudaOptions::device {} differs from the device {} that holds the shared weights", opt.device,
            weights_->device_);
     CUDA_CHECK(cudaSetDevice(opt.device));
-    embed_ = weights_->embed_, sc_gu_ = weights_->sc_gu_, sc_down_ = weights_->sc_down_;
-    final_norm_ = weights_->final_norm_, sc_pre_norm_ = weights_->sc_pre_norm_;
     layers_ = weights_->layers_;  // weight pointers; the KV regions are this backend's (layout)
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
@@ -447,8 +445,8 @@ class CudaBackend final : public Backend {
     const float eps = cfg_.rms_norm_eps;
     if (have_signal) {
       if (req.self_condition != SelfCondition::CanvasEmbedding) cuda::scale_f32(s_.sig, size_t(L) * H, sqrt_h, s_.sig, stream_);
-      cuda::rms_norm_f32_to_bf16(s_.sig, L, H, sc_pre_norm_, eps, s_.x, stream_);
-      gated_mlp(s_.x, L, sc_gu_, sc_down_, cfg_.intermediate_size, s_.a);
+      cuda::rms_norm_f32_to_bf16(s_.sig, L, H, weights_->sc_pre_norm_, eps, s_.x, stream_);
+      gated_mlp(s_.x, L, weights_->sc_gu_, weights_->sc_down_, cfg_.intermediate_size, s_.a);
       cuda::add_bf16_to_f32(s_.h, s_.a, size_t(L) * H, stream_);
     }
     cuda::rms_norm_f32_to_f32(s_.h, L, H, nullptr, eps, s_.h, stream_);
@@ -459,11 +457,11 @@ class CudaBackend final : public Backend {
     }
     decoder_layers(L);
     if (trace_) {  // the final norm in f32 (the lm_head reads its bf16 rounding)
-      cuda::rms_norm_f32_to_f32(s_.h, L, H, final_norm_, eps, s_.xr, stream_);
+      cuda::rms_norm_f32_to_f32(s_.h, L, H, weights_->final_norm_, eps, s_.xr, stream_);
       trace_stage(s_.xr, L);
     }
-    cuda::rms_norm_f32_to_bf16(s_.h, L, H, final_norm_, eps, s_.x, stream_);
-    gemm_->linear(s_.x, Dt::BF16, L, embed_, Dt::BF16, V, H, s_.logits, Dt::F32, stream_);
+    cuda::rms_norm_f32_to_bf16(s_.h, L, H, weights_->final_norm_, eps, s_.x, stream_);
+    gemm_->linear(s_.x, Dt::BF16, L, weights_->embed_, Dt::BF16, V, H, s_.logits, Dt::F32, stream_);
     mark(kStLmHead);
     // The probs for a PreviousStep SC input of the next step come out of the same pass (softmax at this T).
     cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats,
@@ -595,8 +593,8 @@ class CudaBackend final : public Backend {
     std::memcpy(host_ids_, ids.data(), ids.size() * 4);
     CUDA_CHECK(cudaMemcpyAsync(s_.ids, host_ids_, ids.size() * 4, cudaMemcpyHostToDevice, stream_));
     // HF multiplies by sqrt(H) in the weight dtype (53.0); the CPU oracle uses f32 sqrt(H), and so do we.
-    cuda::embed_scale(s_.ids, int(ids.size()), embed_, cfg_.hidden_size, std::sqrt(float(cfg_.hidden_size)), s_.h,
-                      stream_);
+    cuda::embed_scale(s_.ids, int(ids.size()), weights_->embed_, cfg_.hidden_size, std::sqrt(float(cfg_.hidden_size)),
+                      s_.h, stream_);
   }
 
   // sig = softmax(logits / T) @ E (the sqrt(H) factor is applied by the caller)
@@ -609,17 +607,18 @@ class CudaBackend final : public Backend {
   void previous_step_sc(int L) {
     const bool sparse = opt_.sc_sparse && prev_sc_sparse_ok_;
     if (sparse)
-      cuda::sc_gather_sum(s_.sc, L, cfg_.vocab_size, embed_, cfg_.hidden_size, s_.sig, stream_);
+      cuda::sc_gather_sum(s_.sc, L, cfg_.vocab_size, weights_->embed_, cfg_.hidden_size, s_.sig, stream_);
     else
       probs_through_table(L);
     if (opt_.sc_sparse && opt_.sc_stats) ++(sparse ? opt_.sc_stats->sparse_steps : opt_.sc_stats->dense_steps);
   }
   void probs_through_table(int L) {
-    gemm_->through_table(s_.probs, Dt::BF16, L, embed_, Dt::BF16, cfg_.vocab_size, cfg_.hidden_size, s_.sig, Dt::F32,
-                         stream_);
+    gemm_->through_table(s_.probs, Dt::BF16, L, weights_->embed_, Dt::BF16, cfg_.vocab_size, cfg_.hidden_size, s_.sig,
+                         Dt::F32, stream_);
   }
 
-  // y = down(gelu_tanh(gate x) * up x), gate and up stacked in one [2I, H] weight; on stream st with gemm g.
+  // y = down(gelu_tanh(gate x) * up x), gate and up stacked in one [2I, H] weight: on the main stream, or (_on) on
+  // stream st with gemm g.
   void gated_mlp(const bf16* x, int T, const bf16* gu, const bf16* down, int I, bf16* y) {
     gated_mlp_on(*gemm_, stream_, x, T, gu, down, I, y);
   }
@@ -784,8 +783,6 @@ class CudaBackend final : public Backend {
   int tm_ = 0;
   Arena arena_;
   std::unique_ptr<cuda::Gemm> gemm_, gemm_side_;
-  bf16 *embed_ = nullptr, *sc_gu_ = nullptr, *sc_down_ = nullptr;  // CudaWeights'
-  float *final_norm_ = nullptr, *sc_pre_norm_ = nullptr;
   std::vector<DevLayer> layers_;  // CudaWeights' pointers + this backend's KV regions
   Scratch s_{};
   int32_t* host_ids_ = nullptr;

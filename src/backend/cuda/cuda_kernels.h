@@ -75,7 +75,6 @@ void scale_f32(const float* in, size_t n, float scale, float* out, cudaStream_t 
 // Device-side synthetic weights: uniform in [offset - scale, offset + scale) from a counter hash of (seed, i).
 void fill_uniform_bf16(bf16* p, size_t n, uint64_t seed, float scale, float offset, cudaStream_t s);
 void fill_uniform_f32(float* p, size_t n, uint64_t seed, float scale, float offset, cudaStream_t s);
-void convert_bf16_to_f32(const bf16* in, size_t n, float* out, cudaStream_t s);
 
 // ---- sparse self-conditioning (kernels_sc.cu) ----
 // The SC soft embedding probs @ E restricted to each row's "survivors", the tokens with z >= max_z - kScWindow

@@ -19,9 +19,9 @@ using AlgoConfig = std::array<int64_t, 9>;
 AlgoConfig config_of(const cublasLtMatmulAlgo_t& algo) {
   AlgoConfig c{};
   for (int a = 0; a < 9; ++a) {
-    uint64_t v = 0;  // every attribute is an integer of at most 8 bytes, little endian
+    uint64_t v = 0;  // little endian: 4-byte attributes, the two shape ids (7, 8) 2-byte
     size_t written = 0;
-    const size_t size = a == 0 || a == 2 ? 4 : a >= 7 ? 2 : 4;
+    const size_t size = a >= 7 ? 2 : 4;
     if (cublasLtMatmulAlgoConfigGetAttribute(&algo, cublasLtMatmulAlgoConfigAttributes_t(a), &v, size, &written) !=
         CUBLAS_STATUS_SUCCESS)
       v = 0;

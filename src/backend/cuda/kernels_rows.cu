@@ -540,10 +540,6 @@ __global__ void fill_f32_k(float* p, size_t n, uint64_t seed, float scale, float
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     p[i] = offset + scale * hash_uniform(seed, i);
 }
-__global__ void bf16_to_f32_k(const bf16* in, size_t n, float* out) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    out[i] = __bfloat162float(in[i]);
-}
 
 unsigned grid_for(size_t n) {
   size_t g = (n + 255) / 256;
@@ -707,11 +703,6 @@ void fill_uniform_bf16(bf16* p, size_t n, uint64_t seed, float scale, float offs
 void fill_uniform_f32(float* p, size_t n, uint64_t seed, float scale, float offset, cudaStream_t s) {
   if (n == 0) return;
   fill_f32_k<<<grid_for(n), 256, 0, s>>>(p, n, seed, scale, offset);
-  CUDA_CHECK_LAUNCH();
-}
-void convert_bf16_to_f32(const bf16* in, size_t n, float* out, cudaStream_t s) {
-  if (n == 0) return;
-  bf16_to_f32_k<<<grid_for(n), 256, 0, s>>>(in, n, out);
   CUDA_CHECK_LAUNCH();
 }
 
