@@ -297,6 +297,86 @@ TEST(CudaKernels, RouteTopK) {
   }
 }
 
+// router_top_k_assign (one launch: f32 GEMM split over H, top-k, padded assignment) against the CPU: logits vs a
+// double GEMM, the selection and weights vs cpu::route_top_k on the kernel's own logits (so near-ties cannot flip),
+// and the assignment's invariants. One workspace serves every size in turn (its arrival counters must come back
+// zeroed, whatever the token count), and each call is repeated for bitwise determinism.
+TEST(CudaKernels, RouterTopKAssignFused) {
+  REQUIRE_GPU();
+  const size_t max_t = 300, max_h = 2816;
+  Dev<float> partial(router_partial_floats(int(max_t), int(max_h)) + 1024 * 128);
+  Dev<unsigned> counters(router_counter_slots(int(max_t)));
+  CUDA_CHECK(cudaMemset(counters.p, 0, counters.n * sizeof(unsigned)));
+  for (auto [T, E, k, H] : {std::tuple{256, 128, 8, 2816}, std::tuple{37, 6, 2, 40}, std::tuple{300, 128, 8, 2816},
+                            std::tuple{1, 128, 8, 2816}, std::tuple{65, 100, 7, 1004}, std::tuple{256, 128, 8, 2816}}) {
+    ASSERT_TRUE(router_fused_supported(E, H, k));
+    ASSERT_LE(router_partial_floats(T, H), partial.n);
+    const int M = moe_padded_rows_per_expert(T, k, E), P = T * k;
+    auto x = rnd(size_t(T) * H, -2, 2), W = rnd(size_t(E) * H, -0.05f, 0.05f), pes = rnd(size_t(E), 0.5f, 1.5f);
+    const size_t pairs = static_cast<size_t>(P);
+    Dev<float> dx(x.size()), dW(W.size()), dp(static_cast<size_t>(E)), logits(size_t(T) * E), w(pairs);
+    Dev<int32_t> idx(pairs), ovf(size_t(E) + 1), spos(pairs), meta(2 * size_t(E) + 1);
+    dx.put(x), dW.put(W), dp.put(pes);
+    auto run = [&] {
+      router_top_k_assign(dx.p, T, H, dW.p, E, k, dp.p, M, partial.p, counters.p, logits.p, idx.p, w.p, ovf.p, spos.p,
+                          meta.p, nullptr);
+    };
+    run();
+    const std::string what = "T " + std::to_string(T) + " E " + std::to_string(E) + " H " + std::to_string(H);
+    auto gl = logits.get();
+    auto gi = idx.get();
+    auto gw = w.get();
+    auto go = ovf.get();
+    auto gs = spos.get();
+    auto gm = meta.get();
+    for (unsigned c : counters.get()) ASSERT_EQ(c, 0u) << what << ": arrival counters not left zeroed";
+    double md = 0, mr = 0;
+    for (int t = 0; t < T; ++t)
+      for (int e = 0; e < E; ++e) {
+        double ref = 0;
+        for (int i = 0; i < H; ++i) ref += double(x[size_t(t) * H + i]) * W[size_t(e) * H + i];
+        md = std::max(md, std::fabs(double(gl[size_t(t) * E + e]) - ref)), mr = std::max(mr, std::fabs(ref));
+      }
+    EXPECT_LE(md / mr, 1e-5) << what;
+    for (int t = 0; t < T; ++t) {
+      std::vector<int32_t> ei(static_cast<size_t>(k));
+      std::vector<float> ew(static_cast<size_t>(k));
+      cpu::route_top_k(gl.data() + size_t(t) * E, E, k, pes.data(), ei.data(), ew.data());
+      for (int j = 0; j < k; ++j) {
+        ASSERT_EQ(gi[size_t(t) * k + j], ei[size_t(j)]) << what << " token " << t << " slot " << j;
+        EXPECT_NEAR(gw[size_t(t) * k + j], ew[size_t(j)], 1e-5f) << what;
+      }
+    }
+    // assignment: expert e's first min(count, M) pairs in rows e M .., the rest in its overflow range, every row once
+    std::vector<int> cnt(static_cast<size_t>(E), 0);
+    for (int i = 0; i < P; ++i) ++cnt[size_t(gi[size_t(i)])];
+    int run_ovf = E * M, n_ovf = 0;
+    for (int e = 0; e < E; ++e) {
+      EXPECT_EQ(go[size_t(e)], run_ovf) << what << " expert " << e;
+      EXPECT_EQ(gm[size_t(1 + E + e)], std::min(cnt[size_t(e)], M)) << what;
+      if (cnt[size_t(e)] > M) {
+        EXPECT_EQ(gm[size_t(1 + n_ovf++)], e) << what;
+      }
+      run_ovf += std::max(0, cnt[size_t(e)] - M);
+    }
+    EXPECT_EQ(go[size_t(E)], run_ovf) << what;
+    EXPECT_EQ(gm[0], n_ovf) << what;
+    std::vector<int> seen(size_t(run_ovf), 0);
+    for (int i = 0; i < P; ++i) {
+      const int e = gi[size_t(i)], r = gs[size_t(i)];
+      ASSERT_TRUE(r >= 0 && r < run_ovf) << what;
+      EXPECT_TRUE((r >= e * M && r < e * M + M) || (r >= go[size_t(e)] && r < go[size_t(e) + 1])) << what;
+      EXPECT_EQ(++seen[size_t(r)], 1) << what << ": row " << r << " assigned twice";
+    }
+    run();  // bitwise repeatable (the row order inside an expert's block may differ: it comes from atomics)
+    auto gl2 = logits.get();
+    auto gw2 = w.get();
+    EXPECT_EQ(0, std::memcmp(gl.data(), gl2.data(), gl.size() * sizeof(float))) << what;
+    EXPECT_EQ(0, std::memcmp(gw.data(), gw2.data(), gw.size() * sizeof(float))) << what;
+    EXPECT_EQ(idx.get(), gi) << what;
+  }
+}
+
 // moe_combine_ffn = the expert combine (ascending expert id) followed by the FFN output norms and residual.
 TEST(CudaKernels, MoeCombineFfn) {
   REQUIRE_GPU();
@@ -308,10 +388,11 @@ TEST(CudaKernels, MoeCombineFfn) {
     std::vector<int32_t> idx(size_t(T) * k), spos(size_t(T) * k);
     for (auto& e : idx) e = int32_t(rng() % 64);
     for (auto& r : spos) r = int32_t(rng() % uint32_t(P));
-    Dev<float> dy(y.size()), dw(wts.size()), dh(h.size()), dw1(static_cast<size_t>(H)), dw2(static_cast<size_t>(H)), dwn(static_cast<size_t>(H));
-    Dev<bf16> dm1(m1.size());
+    y = from_bf16(to_bf16(y));  // the expert rows are bf16
+    Dev<float> dw(wts.size()), dh(h.size()), dw1(static_cast<size_t>(H)), dw2(static_cast<size_t>(H)), dwn(static_cast<size_t>(H));
+    Dev<bf16> dm1(m1.size()), dy(y.size());
     Dev<int32_t> didx(idx.size()), dspos(spos.size());
-    dy.put(y), dw.put(wts), dh.put(h), dw1.put(w1), dw2.put(w2), dwn.put(wn), dm1.put(to_bf16(m1)), didx.put(idx);
+    dy.put(to_bf16(y)), dw.put(wts), dh.put(h), dw1.put(w1), dw2.put(w2), dwn.put(wn), dm1.put(to_bf16(m1)), didx.put(idx);
     dspos.put(spos);
     moe_combine_ffn(dy.p, didx.p, dw.p, dspos.p, T, k, dh.p, dm1.p, H, dw1.p, dw2.p, dwn.p, eps, scalar, nullptr);
     std::vector<float> m2(size_t(T) * H, 0.0f), a(m1.size()), b(m2.size()), want = h;
@@ -384,7 +465,7 @@ TEST(CudaKernels, AddRmsNormPreFfn) {
 }
 
 // CPU reference of the routed experts + combine: per token, its k experts in ascending id order, gate/up in double,
-// the activation rounded to bf16 as the kernels store it.
+// the activation and the expert output rounded to bf16 as the kernels store them.
 std::vector<float> moe_reference(const std::vector<float>& x, const std::vector<float>& gu, const std::vector<float>& dn,
                                  const std::vector<float>& wts, const std::vector<int32_t>& idx, int T, int E, int k,
                                  int H, int I) {
@@ -405,7 +486,7 @@ std::vector<float> moe_reference(const std::vector<float>& x, const std::vector<
       for (int o = 0; o < H; ++o) {
         double s = 0;
         for (int i = 0; i < I; ++i) s += double(a[size_t(i)]) * dn[(size_t(e) * H + o) * I + i];
-        want[size_t(t) * H + o] += wts[size_t(t) * k + j] * float(s);
+        want[size_t(t) * H + o] += wts[size_t(t) * k + j] * round_to_bf16(float(s));
       }
     }
   }
@@ -435,9 +516,9 @@ TEST(CudaKernels, MoeGroupedExperts) {
     auto x = rnd(size_t(T) * H), gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
     auto wts = rnd(size_t(T) * k, 0.1f, 1.0f);
     auto idx = random_routing(T, E, k);
-    Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(idx.size() * H), act(idx.size() * I);
+    Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(idx.size() * H), act(idx.size() * I), y(idx.size() * H);
     Dev<int32_t> didx(idx.size()), off(size_t(E) + 1), spos(idx.size());
-    Dev<float> y(idx.size() * H), dw(wts.size()), out(size_t(T) * H);
+    Dev<float> dw(wts.size()), out(size_t(T) * H);
     dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx), dw.put(wts);
     moe_group(didx.p, T, k, E, dx.p, H, off.p, spos.p, xs.p, nullptr);
     moe_gate_up(xs.p, off.p, E, T * k, dgu.p, H, I, act.p, nullptr);
@@ -461,15 +542,15 @@ TEST(CudaKernels, MoePaddedExperts) {
     auto wts = rnd(size_t(T) * k, 0.1f, 1.0f);
     auto idx = random_routing(T, E, k);
     const size_t rows = size_t(E) * M + idx.size();
-    Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(rows * H), act(rows * I);
+    Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(rows * H), act(rows * I), y(rows * H), g(rows * 2 * I);
     Dev<int32_t> didx(idx.size()), ovf(size_t(E) + 1), spos(idx.size()), meta(2 * size_t(E) + 1);
-    Dev<float> y(rows * H), g(rows * 2 * I), dw(wts.size()), out(size_t(T) * H);
+    Dev<float> dw(wts.size()), out(size_t(T) * H);
     dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx), dw.put(wts);
     moe_group_padded(didx.p, T, k, E, dx.p, H, M, ovf.p, spos.p, xs.p, nullptr, meta.p);
-    gemm.linear_batched(xs.p, Dt::BF16, M, dgu.p, Dt::BF16, 2 * I, H, g.p, Dt::F32, E, nullptr);
+    gemm.linear_batched(xs.p, Dt::BF16, M, dgu.p, Dt::BF16, 2 * I, H, g.p, Dt::BF16, E, nullptr);
     moe_gelu_mul_padded(g.p, E, M, I, meta.p, act.p, nullptr);
     moe_gate_up(xs.p, ovf.p, E, T * k, dgu.p, H, I, act.p, nullptr, meta.p);  // overflow rows: listed experts
-    gemm.linear_batched(act.p, Dt::BF16, M, ddn.p, Dt::BF16, H, I, y.p, Dt::F32, E, nullptr);
+    gemm.linear_batched(act.p, Dt::BF16, M, ddn.p, Dt::BF16, H, I, y.p, Dt::BF16, E, nullptr);
     moe_down(act.p, ovf.p, E, T * k, ddn.p, H, I, y.p, nullptr, meta.p);
     moe_combine(y.p, didx.p, dw.p, spos.p, T, k, H, out.p, nullptr);
     // the overflow rows are exactly the pairs past M of each expert; meta lists those experts and the padded rows

@@ -62,6 +62,16 @@ fi
 # BENCH_ARGS: extra bench flags, e.g. "--breakdown --prefill 4096" (per-stage CUDA-event times of a denoise step).
 LD_LIBRARY_PATH="$LIBS" timeout 400 "$DIST/diffgemma" bench --json ${BENCH_ARGS:-} >"$OUT/bench.json" 2>"$OUT/bench.log"
 b_rc=$?
+# AB_ARGS: A/B benches after the main one, ';'-separated flag sets, each with AB_COMMON (default: the 4K step and
+# prefill only), e.g. AB_ARGS="--cublas-router;--no-overlap" -> bench_ab1.json, bench_ab2.json, in the summary.
+ab_i=0
+IFS=';' read -ra ab_sets <<<"${AB_ARGS:-}"
+for ab in "${ab_sets[@]}"; do
+  ab_i=$((ab_i + 1))
+  echo "A/B $ab_i: $ab" >"$OUT/bench_ab$ab_i.log"
+  LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma" bench --json ${AB_COMMON:---contexts 4096 --prefill 4096 --fixed-steps 0} $ab \
+    >"$OUT/bench_ab$ab_i.json" 2>>"$OUT/bench_ab$ab_i.log"
+done
 h_rc=skipped
 if [ "${HF:-0}" = 1 ]; then
   PYTHONUNBUFFERED=1 timeout "${HF_TIMEOUT:-300}" python3 tools/reference/bench_hf.py --json "$OUT/hf_bench.json" ${HF_ARGS:---skip-32k} \
@@ -79,6 +89,7 @@ fi
   [ -f "$OUT/fullshape_fixture.log" ] && grep -E 'FAIL|WARN|agree|cosine|Error' "$OUT/fullshape_fixture.log" | tail -12
   [ -f "$OUT/fullshape.log" ] && grep -E '^\[fullshape\]|^\[  (FAILED|  OK|SKIPPED) \]|Failure' "$OUT/fullshape.log"
   echo "== bench (rc $b_rc)"; grep -v uploading "$OUT/bench.log"
+  for f in "$OUT"/bench_ab*.log; do [ -f "$f" ] && echo "== $(head -1 "$f")" && grep -v -E 'uploading|^A/B' "$f"; done
   echo "== grouped experts: tests rc $pd_rc"
   [ -f "$OUT/grouped.log" ] && grep -E '^\[parity\]|^\[fullshape\] (nosc|sc|commit) |^\[  (FAILED|  OK) \]|Failure' "$OUT/grouped.log" | head -60
   [ -f "$OUT/bench_grouped.log" ] && grep -v uploading "$OUT/bench_grouped.log"

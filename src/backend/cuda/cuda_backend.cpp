@@ -45,9 +45,11 @@ struct DevLayer {
 
 struct Scratch {
   int32_t* ids;
-  float *h, *xr, *rl, *wk, *y, *sig, *logits;
-  bf16 *x, *x1, *xe, *qkv, *q, *kn, *vn, *att, *a, *gu, *actd, *m1, *xs, *acte, *probs;
+  float *h, *xr, *rl, *wk, *sig, *logits;
+  bf16 *y, *x, *x1, *xe, *qkv, *q, *kn, *vn, *att, *a, *gu, *actd, *m1, *xs, *acte, *probs;
   int32_t *idx, *offsets, *sorted_pos, *moe_meta;
+  float* router_partial;      // router_top_k_assign's split partials (canvas-sized passes)
+  unsigned* router_counters;  // its arrival counters: zeroed once, left zeroed by every call
   cuda::DeviceRowStats* stats;
   void* row_stats_scratch;     // softcap_row_stats partials
   cuda::ScSurvivorBuffers sc;  // sparse SC survivors (CudaOptions::sc_sparse only)
@@ -316,6 +318,7 @@ class CudaBackend final : public Backend {
            double(need) / (1 << 30), opt.max_context, double(free_b) / (1 << 30), double(total_b) / (1 << 30));
     CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
     layout(arena_);
+    CUDA_CHECK(cudaMemset(s_.router_counters, 0, cuda::router_counter_slots(cfg_.canvas_length) * sizeof(unsigned)));
     gemm_ = std::make_unique<cuda::Gemm>();
     // its own workspace: runs concurrently with gemm_
     gemm_side_ = std::make_unique<cuda::Gemm>(size_t(64) << 20, opt_.dense_mlp_sms);
@@ -675,8 +678,20 @@ class CudaBackend final : public Backend {
       gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
     }
     mark(kStDenseMlp);
-    gemm_->linear(s_.xr, Dt::F32, T, L.router_w, Dt::F32, E, H, s_.rl, Dt::F32, stream_);
-    cuda::route_top_k(s_.rl, T, E, K, L.pes, s_.idx, s_.wk, stream_);
+    const int Ie = cfg_.moe_intermediate_size;
+    // Canvas-sized passes (denoise, commit): experts padded to M rows as one strided-batched cuBLASLt GEMM each
+    // (weights stream at ~4.1 instead of ~3.4 TB/s); the rare rows past M go through the grouped kernels.
+    const bool padded = opt_.padded_experts && T <= cfg_.canvas_length;
+    const int M = padded ? cuda::moe_padded_rows_per_expert(T, K, E) : 0;
+    // The router GEMM, top-k and the padded assignment in one launch where it applies (five launches otherwise).
+    const bool fused_router = padded && opt_.fused_router && cuda::router_fused_supported(E, H, K);
+    if (fused_router) {
+      cuda::router_top_k_assign(s_.xr, T, H, L.router_w, E, K, L.pes, M, s_.router_partial, s_.router_counters, s_.rl,
+                                s_.idx, s_.wk, s_.offsets, s_.sorted_pos, s_.moe_meta, stream_);
+    } else {
+      gemm_->linear(s_.xr, Dt::F32, T, L.router_w, Dt::F32, E, H, s_.rl, Dt::F32, stream_);
+      cuda::route_top_k(s_.rl, T, E, K, L.pes, s_.idx, s_.wk, stream_);
+    }
     mark(kStRouter);
     if (trace_) {  // debug path only: synchronizes
       std::vector<float> rl(size_t(T) * E);
@@ -687,20 +702,20 @@ class CudaBackend final : public Backend {
       trace_->router_logits.push_back(std::move(rl));
       trace_->experts.push_back(std::move(idx));
     }
-    const int Ie = cfg_.moe_intermediate_size;
-    if (opt_.padded_experts && T <= cfg_.canvas_length) {
-      // Canvas-sized passes (denoise, commit): experts padded to M rows as one strided-batched cuBLASLt GEMM each
-      // (weights stream at ~4.1 instead of ~3.4 TB/s); the rare rows past M go through the grouped kernels.
-      const int M = cuda::moe_padded_rows_per_expert(T, K, E);
-      cuda::moe_group_padded(s_.idx, T, K, E, s_.xe, H, M, s_.offsets, s_.sorted_pos, s_.xs, stream_, s_.moe_meta);
+    if (padded) {
+      if (fused_router)
+        cuda::moe_gather(s_.sorted_pos, T, K, s_.xe, H, s_.xs, stream_);
+      else
+        cuda::moe_group_padded(s_.idx, T, K, E, s_.xe, H, M, s_.offsets, s_.sorted_pos, s_.xs, stream_, s_.moe_meta);
       mark(kStGroup);
-      // gate/up in f32 (in y, free until the down GEMM): one bf16 rounding, of the activation, as the grouped kernels.
+      // gate/up in bf16 (in y, free until the down GEMM), as HF's expert linear rounds them; the grouped kernels of
+      // the overflow rows keep theirs in f32 (one rounding fewer, same tolerance).
       // The overflow rows run on a small grid over the listed experts (moe_group_padded's meta).
-      gemm_->linear_batched(s_.xs, Dt::BF16, M, L.exp_gu, Dt::BF16, 2 * Ie, H, s_.y, Dt::F32, E, stream_);
+      gemm_->linear_batched(s_.xs, Dt::BF16, M, L.exp_gu, Dt::BF16, 2 * Ie, H, s_.y, Dt::BF16, E, stream_);
       cuda::moe_gelu_mul_padded(s_.y, E, M, Ie, s_.moe_meta, s_.acte, stream_);
       cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, stream_, s_.moe_meta);
       mark(kStGateUp);
-      gemm_->linear_batched(s_.acte, Dt::BF16, M, L.exp_down, Dt::BF16, H, Ie, s_.y, Dt::F32, E, stream_);
+      gemm_->linear_batched(s_.acte, Dt::BF16, M, L.exp_down, Dt::BF16, H, Ie, s_.y, Dt::BF16, E, stream_);
       cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, stream_, s_.moe_meta);
       mark(kStDown);
     } else {
@@ -741,11 +756,13 @@ class CudaBackend final : public Backend {
     s_.h = ar.take<float>(Tm * H);
     s_.xr = ar.take<float>(Tm * H);
     s_.rl = ar.take<float>(Tm * E);
+    s_.router_partial = ar.take<float>(cuda::router_partial_floats(int(Lc), int(H)));
+    s_.router_counters = ar.take<unsigned>(cuda::router_counter_slots(int(Lc)));
     s_.wk = ar.take<float>(Tm * K);
     // expert rows: T k grouped, or E M padded + Lc k overflow for canvas-sized passes (moe_group_padded)
     const size_t pad_rows = E * size_t(cuda::moe_padded_rows_per_expert(int(Lc), int(K), int(E))) + Lc * K;
     const size_t exp_rows = std::max(Tm * K, pad_rows);
-    s_.y = ar.take<float>(std::max(exp_rows * H, pad_rows * 2 * Ie));  // also the padded path's f32 gate/up
+    s_.y = ar.take<bf16>(std::max(exp_rows * H, pad_rows * 2 * Ie));  // also the padded path's gate/up
     s_.sig = ar.take<float>(Lc * H);
     s_.logits = ar.take<float>(Lc * V);
     for (bf16** p : {&s_.x, &s_.x1, &s_.xe, &s_.a, &s_.m1}) *p = ar.take<bf16>(Tm * H);

@@ -45,8 +45,8 @@ struct CudaOptions {
   // the same launches eagerly (A/B in `diffgemma bench --no-graphs`).
   bool cuda_graphs = true;
   // Canvas-sized passes (denoise, commit) run the experts as two strided-batched cuBLASLt GEMMs over every expert
-  // padded to 2 x mean rows (moe_group_padded; rows past that through the grouped kernels), gate/up kept in f32
-  // before the activation exactly as the grouped kernels do. On the H200 (docs/BENCHMARKS.md 2026-11-30) it cuts the
+  // padded to 2 x mean rows (moe_group_padded; rows past that through the grouped kernels), gate/up and the expert
+  // outputs in bf16 as HF rounds them. On the H200 (docs/BENCHMARKS.md 2026-11-30) it cuts the
   // 4K step from 21.8 to 20.4 ms and passes the same parity checks. Off: the grouped kernels for every pass
   // (A/B: `diffgemma bench --grouped-experts`). Prefill chunks always use the grouped kernels.
   bool padded_experts = true;
@@ -55,6 +55,10 @@ struct CudaOptions {
   // (cuBLASLt's Hopper kernels otherwise take every SM and the two branches serialize).
   bool overlap_dense_mlp = true;
   int dense_mlp_sms = 0;
+  // Canvas-sized passes with padded experts route in one launch (router_top_k_assign: f32 router GEMM, top-k and
+  // the padded assignment) instead of cuBLASLt's split-K GEMM + its reduce + route_top_k + moe_assign (A/B: bench
+  // --cublas-router).
+  bool fused_router = true;
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
   // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)
   // instead of the dense GEMM of the probs through the whole [V, H] table (~0.58 ms). The step falls back to the

@@ -67,41 +67,38 @@ __global__ void route_top_k_k(const float* logits, int E, int k, const float* pe
   }
 }
 
-// One warp per token, the token's expert probabilities in registers (kPerLane per lane, E <= 32 * kPerLane): no
-// shared memory and no block barriers, where route_top_k_k spends two barriers per selected expert. Same rules:
-// float exp, double sum, p = float(e / sum), ties to the lower index.
-constexpr int kPerLane = 8;
-__global__ void route_top_k_warp_k(const float* logits, int T, int E, int k, const float* pes, int32_t* idx,
-                                   float* w) {
-  const int lane = threadIdx.x & 31, t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (t >= T) return;
-  const float* l = logits + size_t(t) * E;
-  float p[kPerLane];
+// One warp per token, the token's expert probabilities in registers (PL per lane, expert of slot j: eid(j), E <= 32 *
+// PL): no shared memory and no block barriers, where route_top_k_k spends two barriers per selected expert. Same
+// rules: float exp, double sum, p = float(e / sum), ties to the lower index. l[j]: the logit of expert eid(j) (any
+// value where eid(j) >= E). eid must be ascending in j within a lane (the lane's first maximum is its lowest id).
+template <int PL, class ExpertOf>
+__device__ void warp_top_k(float (&l)[PL], ExpertOf eid, int E, int k, const float* pes, int32_t* idx, float* w) {
+  const int lane = threadIdx.x & 31;
   float mx = -INFINITY;
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
-    const int e = lane + 32 * j;
-    p[j] = e < E ? l[e] : -INFINITY;
-    mx = fmaxf(mx, p[j]);
+  for (int j = 0; j < PL; ++j) {
+    if (eid(j) >= E) l[j] = -INFINITY;
+    mx = fmaxf(mx, l[j]);
   }
   mx = warp_max(mx);
   double sum = 0;
+  float p[PL];
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
-    p[j] = lane + 32 * j < E ? expf(p[j] - mx) : 0.0f;
+  for (int j = 0; j < PL; ++j) {
+    p[j] = eid(j) < E ? expf(l[j] - mx) : 0.0f;
     sum += p[j];
   }
   sum = warp_sum_d(sum);
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) p[j] = lane + 32 * j < E ? float(double(p[j]) / sum) : -1.0f;
+  for (int j = 0; j < PL; ++j) p[j] = eid(j) < E ? float(double(p[j]) / sum) : -1.0f;
   float total = 0, my_v = 0;
   int my_i = 0;
   for (int s = 0; s < k; ++s) {
     float bv = -2.0f;
     int bi = INT32_MAX;
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j)
-      if (p[j] > bv) bv = p[j], bi = lane + 32 * j;  // ascending index within a lane: first wins ties
+    for (int j = 0; j < PL; ++j)
+      if (p[j] > bv) bv = p[j], bi = eid(j);  // ascending index within a lane: first wins ties
     for (int o = 16; o > 0; o >>= 1) {
       const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
       const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
@@ -110,25 +107,37 @@ __global__ void route_top_k_warp_k(const float* logits, int T, int E, int k, con
     total += bv;
     if (lane == s) my_v = bv, my_i = bi;
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j)
-      if (lane + 32 * j == bi) p[j] = -2.0f;  // taken
+    for (int j = 0; j < PL; ++j)
+      if (eid(j) == bi) p[j] = -2.0f;  // taken
   }
   if (lane < k) {
-    idx[size_t(t) * k + lane] = my_i;
-    w[size_t(t) * k + lane] = my_v / total * pes[my_i];
+    idx[lane] = my_i;
+    w[lane] = my_v / total * pes[my_i];
   }
+}
+
+constexpr int kPerLane = 8;
+__global__ void route_top_k_warp_k(const float* logits, int T, int E, int k, const float* pes, int32_t* idx,
+                                   float* w) {
+  const int lane = threadIdx.x & 31, t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (t >= T) return;
+  const float* l = logits + size_t(t) * E;
+  float v[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) v[j] = lane + 32 * j < E ? l[lane + 32 * j] : -INFINITY;
+  warp_top_k(v, [lane](int j) { return lane + 32 * j; }, E, k, pes, idx + size_t(t) * k, w + size_t(t) * k);
 }
 
 // Single block: counts, exclusive scan and row assignment. Expert e's first M pairs go to rows e M .. e M + M - 1,
 // the rest ("overflow") to rows from ovf[e] = E M + (overflow of the experts before e); ovf[E] = end of the overflow
 // rows. M = 0 is the plain grouping: ovf is then the exclusive prefix of the counts (moe_group's offsets).
-// meta (M > 0, may be null): see moe_group_padded.
-__global__ void moe_assign_k(const int32_t* idx, int P, int E, int M, int32_t* ovf, int32_t* sorted_pos,
-                             int32_t* meta) {
-  extern __shared__ int cnt[];  // [E] counts, then cursors
+// meta (M > 0, may be null): see moe_group_padded. cnt: E ints of shared memory. idx is read through L2 (__ldcg):
+// router_fused_k's last block assigns pairs that other blocks of the same launch wrote.
+__device__ void assign_pairs(const int32_t* idx, int P, int E, int M, int32_t* ovf, int32_t* sorted_pos,
+                             int32_t* meta, int* cnt) {
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&cnt[idx[i]], 1);
+  for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&cnt[__ldcg(idx + i)], 1);
   __syncthreads();
   if (threadIdx.x == 0) {
     int run = E * M, n_ovf = 0;
@@ -146,17 +155,141 @@ __global__ void moe_assign_k(const int32_t* idx, int P, int E, int M, int32_t* o
   }
   __syncthreads();
   for (int i = threadIdx.x; i < P; i += blockDim.x) {
-    const int e = idx[i], slot = atomicAdd(&cnt[e], 1);
+    const int e = __ldcg(idx + i), slot = atomicAdd(&cnt[e], 1);
     sorted_pos[i] = slot < M ? e * M + slot : ovf[e] + slot - M;
   }
 }
 
-// act = bf16(gelu_tanh(gate) * up) over the padded rows that hold a pair (slot < valid[e]); gate/up in f32.
-__global__ void moe_gelu_mul_padded_k(const float* gu, int E, int M, int I, const int32_t* valid, bf16* act) {
+__global__ void moe_assign_k(const int32_t* idx, int P, int E, int M, int32_t* ovf, int32_t* sorted_pos,
+                             int32_t* meta) {
+  extern __shared__ int cnt[];  // [E] counts, then cursors
+  assign_pairs(idx, P, E, M, ovf, sorted_pos, meta, cnt);
+}
+
+// ---- the router of canvas-sized passes in one launch (router_top_k_assign) ----
+// Phase 1, every block: the partial logits of kRtTok tokens x all experts over one k-split, f32 FMAs in ascending k
+// (register-prefetched kRtKc-deep slices through shared memory, 4 tokens x 4 experts per thread).
+// Phase 2, the last block of each token tile to finish (an arrival counter): the split partials added in split
+// order, the logits written, and each warp's tokens routed (warp_top_k).
+// Phase 3, the last token tile to finish: assign_pairs over all T k pairs.
+// Fixed summation orders everywhere, so the results do not depend on which block finishes last.
+constexpr int kRtTok = 32, kRtExp = 128, kRtKc = 16, kRtThreads = 256;
+static_assert(kRtTok == 32, "router_counter_slots (cuda_kernels.h) assumes 32-token tiles");
+constexpr int kRtXs = kRtTok + 4, kRtWs = kRtExp + 4;  // padded smem rows (float4-aligned, fewer bank conflicts)
+
+__global__ void __launch_bounds__(kRtThreads) router_fused_k(RouterArgs a) {
+  __shared__ __align__(16) float xs[2][kRtKc][kRtXs];
+  __shared__ __align__(16) float ws[2][kRtKc][kRtWs];
+  __shared__ int cnt[kRtExp];
+  __shared__ unsigned arrival;
+  const int tid = threadIdx.x, tt = blockIdx.x, split = blockIdx.y, t0 = tt * kRtTok;
+  const int k0 = split * a.kc, k1 = min(a.H, k0 + a.kc);
+  // loader roles: x slice = 32 tokens x 16 k (threads 0..127, one float4), w slice = 128 experts x 16 k (2 float4)
+  const int lr = tid >> 2, lc = (tid & 3) * 4;
+  float4 px = make_float4(0, 0, 0, 0), pw[2];
+  auto fetch = [&](int kb) {
+    const int kk = kb + lc;
+    if (tid < kRtTok * 4) {
+      const int t = t0 + lr;
+      px = t < a.T && kk < k1 ? __ldg(reinterpret_cast<const float4*>(a.x + size_t(t) * a.H + kk))
+                              : make_float4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int e = lr + 64 * j;
+      pw[j] = e < a.E && kk < k1 ? __ldg(reinterpret_cast<const float4*>(a.W + size_t(e) * a.H + kk))
+                                 : make_float4(0, 0, 0, 0);
+    }
+  };
+  auto stash = [&](int buf) {
+    if (tid < kRtTok * 4) {
+      xs[buf][lc + 0][lr] = px.x, xs[buf][lc + 1][lr] = px.y, xs[buf][lc + 2][lr] = px.z, xs[buf][lc + 3][lr] = px.w;
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int e = lr + 64 * j;
+      ws[buf][lc + 0][e] = pw[j].x, ws[buf][lc + 1][e] = pw[j].y, ws[buf][lc + 2][e] = pw[j].z;
+      ws[buf][lc + 3][e] = pw[j].w;
+    }
+  };
+  const int tx = tid & 31, ty = tid >> 5;  // experts tx*4 .. +3, tokens ty*4 .. +3
+  float acc[4][4] = {};
+  int buf = 0;
+  if (k0 < k1) {
+    fetch(k0);
+    stash(0);
+    __syncthreads();
+    for (int kb = k0; kb < k1; kb += kRtKc) {
+      const bool more = kb + kRtKc < k1;
+      if (more) fetch(kb + kRtKc);  // in flight while this slice is multiplied
+#pragma unroll
+      for (int kk = 0; kk < kRtKc; ++kk) {
+        const float4 xv = *reinterpret_cast<const float4*>(&xs[buf][kk][ty * 4]);
+        const float4 wv = *reinterpret_cast<const float4*>(&ws[buf][kk][tx * 4]);
+        const float xa[4] = {xv.x, xv.y, xv.z, xv.w}, wa[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(xa[i], wa[j], acc[i][j]);
+      }
+      if (more) {
+        stash(buf ^ 1);  // the other buffer: last read before the previous barrier
+        __syncthreads();
+        buf ^= 1;
+      }
+    }
+  }
+  // partial[split][t][0..kRtExp): the whole padded row, so phase 2 reads float4s
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int t = t0 + ty * 4 + i;
+    if (t < a.T)
+      __stcg(reinterpret_cast<float4*>(a.partial + (size_t(split) * a.T + t) * kRtExp + tx * 4),
+             make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+  }
+
+  // ---- phase 2: the last split of this token tile ----
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) arrival = atomicAdd(a.counters + tt, 1u);
+  __syncthreads();
+  if (arrival != unsigned(gridDim.y) - 1) return;
+  __threadfence();
+  if (tid == 0) a.counters[tt] = 0;  // every split of this tile has arrived: ready for the next launch
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int t = t0 + ty * 4 + i;
+    if (t >= a.T) break;  // warp-uniform
+    float4 sum = __ldcg(reinterpret_cast<const float4*>(a.partial + size_t(t) * kRtExp + tx * 4));
+    for (int sp = 1; sp < int(gridDim.y); ++sp) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(a.partial + (size_t(sp) * a.T + t) * kRtExp + tx * 4));
+      sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+    }
+    float l[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (tx * 4 + j < a.E) a.logits[size_t(t) * a.E + tx * 4 + j] = l[j];
+    warp_top_k(l, [tx](int j) { return tx * 4 + j; }, a.E, a.k, a.pes, a.idx + size_t(t) * a.k,
+               a.w + size_t(t) * a.k);
+  }
+
+  // ---- phase 3: the last token tile assigns every pair ----
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) arrival = atomicAdd(a.counters + gridDim.x, 1u);
+  __syncthreads();
+  if (arrival != unsigned(gridDim.x) - 1) return;
+  __threadfence();
+  if (tid == 0) a.counters[gridDim.x] = 0;
+  assign_pairs(a.idx, a.T * a.k, a.E, a.M, a.ovf, a.sorted_pos, a.meta, cnt);
+}
+
+// act = bf16(gelu_tanh(gate) * up) over the padded rows that hold a pair (slot < valid[e]); gate/up in bf16.
+__global__ void moe_gelu_mul_padded_k(const bf16* gu, int E, int M, int I, const int32_t* valid, bf16* act) {
   for (int r = blockIdx.y; r < E * M; r += gridDim.y) {
     if (r % M >= valid[r / M]) continue;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < I; i += gridDim.x * blockDim.x) {
-      const float g = gu[size_t(r) * 2 * I + i], u = gu[size_t(r) * 2 * I + I + i];
+      const float g = __bfloat162float(gu[size_t(r) * 2 * I + i]), u = __bfloat162float(gu[size_t(r) * 2 * I + I + i]);
       act[size_t(r) * I + i] = __float2bfloat16(gelu_tanh(g) * u);
     }
   }
@@ -168,7 +301,7 @@ __global__ void moe_gather_k(const int32_t* sorted_pos, int k, const uint4* x, i
   for (int i = threadIdx.x; i < hvec; i += blockDim.x) xs[dst + i] = x[size_t(t) * hvec + i];
 }
 
-__global__ void moe_combine_k(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k,
+__global__ void moe_combine_k(const bf16* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k,
                               int H, float* out) {
   const int t = blockIdx.x;
   int order[kMaxTopK];
@@ -183,7 +316,7 @@ __global__ void moe_combine_k(const float* y, const int32_t* idx, const float* w
     float acc = 0;
     for (int j = 0; j < k; ++j) {
       const int s = t * k + order[j];
-      acc += w[s] * y[size_t(sorted_pos[s]) * H + h];
+      acc += w[s] * __bfloat162float(y[size_t(sorted_pos[s]) * H + h]);
     }
     out[size_t(t) * H + h] = acc;
   }
@@ -206,7 +339,7 @@ __device__ void combine_sources(const int32_t* idx, const float* w, const int32_
 
 // moe_combine_k and ffn_combine_k (kernels_rows.cu) in one pass per token: the combined expert row m2 stays in shared
 // memory instead of a [T, H] f32 round trip through global memory and a second launch. Same arithmetic and order.
-__global__ void moe_combine_ffn_k(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k,
+__global__ void moe_combine_ffn_k(const bf16* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k,
                                   float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* wn,
                                   float eps, float scalar) {
   extern __shared__ float row[];  // [H]: m2, then the pre-norm sum
@@ -219,7 +352,7 @@ __global__ void moe_combine_ffn_k(const float* y, const int32_t* idx, const floa
   float s1 = 0, s2 = 0;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
     float acc = 0;
-    for (int j = 0; j < k; ++j) acc += src_w[j] * y[size_t(src_row[j]) * H + i];
+    for (int j = 0; j < k; ++j) acc += src_w[j] * __bfloat162float(y[size_t(src_row[j]) * H + i]);
     row[i] = acc;
     const float a = __bfloat162float(m1[off + i]);
     s1 += a * a;
@@ -242,7 +375,7 @@ __global__ void moe_combine_ffn_k(const float* y, const int32_t* idx, const floa
 constexpr int kCombineThreads = 256;
 template <int NV, int KMAX>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
-    const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
+    const bf16* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
     int H, const float* w1, const float* w2, const float* wn, float eps, float scalar, const float* w_next,
     bf16* x_next) {
   __shared__ int src_row[KMAX];
@@ -258,17 +391,19 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     const int c = threadIdx.x + q * kCombineThreads;
     float4 acc = make_float4(0, 0, 0, 0), a = acc;
     if (c < H4) {
-      float4 ys[KMAX];
+      uint2 ys[KMAX];  // 4 bf16 of each expert row
 #pragma unroll
       for (int j = 0; j < KMAX; ++j)
-        if (j < k) ys[j] = reinterpret_cast<const float4*>(y + size_t(src_row[j]) * H)[c];
+        if (j < k) ys[j] = reinterpret_cast<const uint2*>(y + size_t(src_row[j]) * H)[c];
 #pragma unroll
       for (int j = 0; j < KMAX; ++j)
         if (j < k) {
-          acc.x += src_w[j] * ys[j].x;
-          acc.y += src_w[j] * ys[j].y;
-          acc.z += src_w[j] * ys[j].z;
-          acc.w += src_w[j] * ys[j].w;
+          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ys[j].x));
+          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ys[j].y));
+          acc.x += src_w[j] * lo.x;
+          acc.y += src_w[j] * lo.y;
+          acc.z += src_w[j] * hi.x;
+          acc.w += src_w[j] * hi.y;
         }
       const uint2 u = reinterpret_cast<const uint2*>(m1 + off)[c];
       const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
@@ -350,8 +485,38 @@ void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, in
   const int P = T * k;
   moe_assign_k<<<1, 1024, size_t(E) * sizeof(int), s>>>(idx, P, E, M, ovf_offsets, sorted_pos, M > 0 ? meta : nullptr);
   CUDA_CHECK_LAUNCH();
-  if (P == 0) return;
-  moe_gather_k<<<P, 128, 0, s>>>(sorted_pos, k, reinterpret_cast<const uint4*>(x), H / 8, reinterpret_cast<uint4*>(xs));
+  moe_gather(sorted_pos, T, k, x, H, xs, s);
+}
+
+void moe_gather(const int32_t* sorted_pos, int T, int k, const bf16* x, int H, bf16* xs, cudaStream_t s) {
+  if (T * k == 0) return;
+  moe_gather_k<<<T * k, 128, 0, s>>>(sorted_pos, k, reinterpret_cast<const uint4*>(x), H / 8,
+                                     reinterpret_cast<uint4*>(xs));
+  CUDA_CHECK_LAUNCH();
+}
+
+RouterSplit router_split(int T, int H) {
+  const int tiles = (T + kRtTok - 1) / kRtTok;
+  int splits = std::max(1, std::min(16, 128 / std::max(tiles, 1)));
+  const int kc = ((H + splits - 1) / splits + kRtKc - 1) / kRtKc * kRtKc;
+  splits = (H + kc - 1) / kc;  // no empty split
+  return {tiles, splits, kc};
+}
+
+size_t router_partial_floats(int T, int H) { return size_t(router_split(T, H).splits) * size_t(T) * kRtExp; }
+
+bool router_fused_supported(int E, int H, int k) { return E >= 1 && E <= kRtExp && H % 4 == 0 && k <= 32 && k <= E; }
+
+void router_top_k_assign(const float* x, int T, int H, const float* W, int E, int k, const float* per_expert_scale,
+                         int M, float* partial, unsigned* counters, float* logits, int32_t* idx, float* w,
+                         int32_t* ovf_offsets, int32_t* sorted_pos, int32_t* meta, cudaStream_t s) {
+  if (T == 0) return;
+  if (!router_fused_supported(E, H, k))
+    throw_cuda_error("router_top_k_assign", "needs E <= 128, H % 4 == 0 and k <= min(32, E)", 0, __FILE__, __LINE__);
+  const RouterSplit sp = router_split(T, H);
+  RouterArgs a{x, W, per_expert_scale, T, H, E, k, sp.kc, partial, counters, logits, idx, w, M, ovf_offsets,
+               sorted_pos, meta};
+  router_fused_k<<<dim3(unsigned(sp.tiles), unsigned(sp.splits)), kRtThreads, 0, s>>>(a);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -360,21 +525,21 @@ void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, in
   moe_group_padded(idx, T, k, E, x, H, /*M=*/0, offsets, sorted_pos, xs, s, nullptr);
 }
 
-void moe_gelu_mul_padded(const float* gu, int E, int M, int I, const int32_t* meta, bf16* act, cudaStream_t s) {
+void moe_gelu_mul_padded(const bf16* gu, int E, int M, int I, const int32_t* meta, bf16* act, cudaStream_t s) {
   if (E == 0 || M == 0) return;
   const dim3 grid(unsigned((I + 255) / 256), unsigned(std::min(E * M, 65535)));
   moe_gelu_mul_padded_k<<<grid, 256, 0, s>>>(gu, E, M, I, meta + 1 + E, act);
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_combine(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
+void moe_combine(const bf16* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
                  float* out, cudaStream_t s) {
   if (T == 0) return;
   moe_combine_k<<<T, 256, 0, s>>>(y, idx, w, sorted_pos, k, H, out);
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_combine_ffn(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
+void moe_combine_ffn(const bf16* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
                      float scalar, cudaStream_t s, const float* w_next, bf16* x_next) {
   if (T == 0) return;
