@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
               const int col = nt * NO + wn * NF * 8 + j * 8 + (lane & 3) * 2;
               const float v0 = acc[mi][j][2 * h], v1 = acc[mi][j][2 * h + 1];
               if (col + 1 < N && (N & 1) == 0) {
-                *reinterpret_cast<float2*>(y + row * N + col) = make_float2(v0, v1);
+                *reinterpret_cast<__nv_bfloat162*>(y + row * N + col) = __floats2bfloat162_rn(v0, v1);
               } else {
                 if (col < N) y[row * N + col] = __float2bfloat16(v0);
                 if (col + 1 < N) y[row * N + col + 1] = __float2bfloat16(v1);
