@@ -1,6 +1,7 @@
 #pragma once
 // CudaOptions for the GPU parity tests. DIFFGEMMA_TEST_GROUPED_EXPERTS=1 runs them with CudaOptions::padded_experts
-// off (the grouped expert kernels on canvas passes too), so both expert paths stay covered.
+// off (the grouped expert kernels on canvas passes too), DIFFGEMMA_TEST_CUBLAS_ROUTER=1 with
+// CudaOptions::fused_router off (cuBLASLt router GEMM + route_top_k + moe_assign), so every path stays covered.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -8,11 +9,16 @@
 #include "backend/cuda/cuda_backend.h"
 
 inline dg::CudaOptions cuda_test_options() {
+  auto flag = [](const char* name) {
+    const char* e = std::getenv(name);
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  };
   dg::CudaOptions o;
-  const char* e = std::getenv("DIFFGEMMA_TEST_GROUPED_EXPERTS");
-  o.padded_experts = !(e != nullptr && std::strcmp(e, "1") == 0);
+  o.padded_experts = !flag("DIFFGEMMA_TEST_GROUPED_EXPERTS");
+  o.fused_router = !flag("DIFFGEMMA_TEST_CUBLAS_ROUTER");
   static const bool said = [&] {
     if (!o.padded_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::padded_experts off (grouped experts)\n");
+    if (!o.fused_router) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_router off (cuBLASLt router)\n");
     return true;
   }();
   (void)said;

@@ -388,11 +388,10 @@ TEST(CudaKernels, MoeCombineFfn) {
     std::vector<int32_t> idx(size_t(T) * k), spos(size_t(T) * k);
     for (auto& e : idx) e = int32_t(rng() % 64);
     for (auto& r : spos) r = int32_t(rng() % uint32_t(P));
-    y = from_bf16(to_bf16(y));  // the expert rows are bf16
-    Dev<float> dw(wts.size()), dh(h.size()), dw1(static_cast<size_t>(H)), dw2(static_cast<size_t>(H)), dwn(static_cast<size_t>(H));
-    Dev<bf16> dm1(m1.size()), dy(y.size());
+    Dev<float> dy(y.size()), dw(wts.size()), dh(h.size()), dw1(static_cast<size_t>(H)), dw2(static_cast<size_t>(H)), dwn(static_cast<size_t>(H));
+    Dev<bf16> dm1(m1.size());
     Dev<int32_t> didx(idx.size()), dspos(spos.size());
-    dy.put(to_bf16(y)), dw.put(wts), dh.put(h), dw1.put(w1), dw2.put(w2), dwn.put(wn), dm1.put(to_bf16(m1)), didx.put(idx);
+    dy.put(y), dw.put(wts), dh.put(h), dw1.put(w1), dw2.put(w2), dwn.put(wn), dm1.put(to_bf16(m1)), didx.put(idx);
     dspos.put(spos);
     moe_combine_ffn(dy.p, didx.p, dw.p, dspos.p, T, k, dh.p, dm1.p, H, dw1.p, dw2.p, dwn.p, eps, scalar, nullptr);
     std::vector<float> m2(size_t(T) * H, 0.0f), a(m1.size()), b(m2.size()), want = h;
@@ -465,7 +464,7 @@ TEST(CudaKernels, AddRmsNormPreFfn) {
 }
 
 // CPU reference of the routed experts + combine: per token, its k experts in ascending id order, gate/up in double,
-// the activation and the expert output rounded to bf16 as the kernels store them.
+// the activation rounded to bf16 as the kernels store it.
 std::vector<float> moe_reference(const std::vector<float>& x, const std::vector<float>& gu, const std::vector<float>& dn,
                                  const std::vector<float>& wts, const std::vector<int32_t>& idx, int T, int E, int k,
                                  int H, int I) {
@@ -486,7 +485,7 @@ std::vector<float> moe_reference(const std::vector<float>& x, const std::vector<
       for (int o = 0; o < H; ++o) {
         double s = 0;
         for (int i = 0; i < I; ++i) s += double(a[size_t(i)]) * dn[(size_t(e) * H + o) * I + i];
-        want[size_t(t) * H + o] += wts[size_t(t) * k + j] * round_to_bf16(float(s));
+        want[size_t(t) * H + o] += wts[size_t(t) * k + j] * float(s);
       }
     }
   }
@@ -516,9 +515,9 @@ TEST(CudaKernels, MoeGroupedExperts) {
     auto x = rnd(size_t(T) * H), gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
     auto wts = rnd(size_t(T) * k, 0.1f, 1.0f);
     auto idx = random_routing(T, E, k);
-    Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(idx.size() * H), act(idx.size() * I), y(idx.size() * H);
+    Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(idx.size() * H), act(idx.size() * I);
     Dev<int32_t> didx(idx.size()), off(size_t(E) + 1), spos(idx.size());
-    Dev<float> dw(wts.size()), out(size_t(T) * H);
+    Dev<float> y(idx.size() * H), dw(wts.size()), out(size_t(T) * H);
     dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx), dw.put(wts);
     moe_group(didx.p, T, k, E, dx.p, H, off.p, spos.p, xs.p, nullptr);
     moe_gate_up(xs.p, off.p, E, T * k, dgu.p, H, I, act.p, nullptr);
@@ -542,15 +541,15 @@ TEST(CudaKernels, MoePaddedExperts) {
     auto wts = rnd(size_t(T) * k, 0.1f, 1.0f);
     auto idx = random_routing(T, E, k);
     const size_t rows = size_t(E) * M + idx.size();
-    Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(rows * H), act(rows * I), y(rows * H), g(rows * 2 * I);
+    Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(rows * H), act(rows * I);
     Dev<int32_t> didx(idx.size()), ovf(size_t(E) + 1), spos(idx.size()), meta(2 * size_t(E) + 1);
-    Dev<float> dw(wts.size()), out(size_t(T) * H);
+    Dev<float> y(rows * H), g(rows * 2 * I), dw(wts.size()), out(size_t(T) * H);
     dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx), dw.put(wts);
     moe_group_padded(didx.p, T, k, E, dx.p, H, M, ovf.p, spos.p, xs.p, nullptr, meta.p);
-    gemm.linear_batched(xs.p, Dt::BF16, M, dgu.p, Dt::BF16, 2 * I, H, g.p, Dt::BF16, E, nullptr);
+    gemm.linear_batched(xs.p, Dt::BF16, M, dgu.p, Dt::BF16, 2 * I, H, g.p, Dt::F32, E, nullptr);
     moe_gelu_mul_padded(g.p, E, M, I, meta.p, act.p, nullptr);
     moe_gate_up(xs.p, ovf.p, E, T * k, dgu.p, H, I, act.p, nullptr, meta.p);  // overflow rows: listed experts
-    gemm.linear_batched(act.p, Dt::BF16, M, ddn.p, Dt::BF16, H, I, y.p, Dt::BF16, E, nullptr);
+    gemm.linear_batched(act.p, Dt::BF16, M, ddn.p, Dt::BF16, H, I, y.p, Dt::F32, E, nullptr);
     moe_down(act.p, ovf.p, E, T * k, ddn.p, H, I, y.p, nullptr, meta.p);
     moe_combine(y.p, didx.p, dw.p, spos.p, T, k, H, out.p, nullptr);
     // the overflow rows are exactly the pairs past M of each expert; meta lists those experts and the padded rows

@@ -41,6 +41,13 @@ if [ "${FULLSHAPE:-1}" = 1 ]; then
     --gtest_filter='CudaFullShape.*' >"$OUT/fullshape.log" 2>&1
   f_rc="$? (fixture script rc $g_rc)"
 fi
+# CUBLAS_ROUTER=1: the parity tests again with CudaOptions::fused_router off (A/B of the router paths' numerics).
+cr_rc=skipped
+if [ "${CUBLAS_ROUTER:-0}" = 1 ]; then
+  DIFFGEMMA_TEST_CUBLAS_ROUTER=1 LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*' \
+    >"$OUT/parity_cublas_router.log" 2>&1
+  cr_rc=$?
+fi
 # GROUPED=1: the parity and full-shape tests again with CudaOptions::padded_experts off (the grouped expert kernels
 # on canvas passes too), and a second bench with --grouped-experts.
 pd_rc=skipped
@@ -85,6 +92,8 @@ fi
   echo "== parity (rc $p_rc)"; grep -E '^\[parity\]|^\[  (FAILED|  OK|SKIPPED) \]' "$OUT/parity.log"
   grep -E '^\[trace\].*(logits|stage  0)' "$OUT/parity.log" | head -80
   grep -B2 -A6 'Failure' "$OUT/parity.log" | head -60
+  echo "== parity with the cuBLASLt router (rc $cr_rc)"
+  [ -f "$OUT/parity_cublas_router.log" ] && grep -E '^\[parity\]|^\[  (FAILED|  OK) \]' "$OUT/parity_cublas_router.log"
   echo "== full shape vs HF (rc $f_rc)"
   [ -f "$OUT/fullshape_fixture.log" ] && grep -E 'FAIL|WARN|agree|cosine|Error' "$OUT/fullshape_fixture.log" | tail -12
   [ -f "$OUT/fullshape.log" ] && grep -E '^\[fullshape\]|^\[  (FAILED|  OK|SKIPPED) \]|Failure' "$OUT/fullshape.log"

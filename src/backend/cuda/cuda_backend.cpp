@@ -45,8 +45,8 @@ struct DevLayer {
 
 struct Scratch {
   int32_t* ids;
-  float *h, *xr, *rl, *wk, *sig, *logits;
-  bf16 *y, *x, *x1, *xe, *qkv, *q, *kn, *vn, *att, *a, *gu, *actd, *m1, *xs, *acte, *probs;
+  float *h, *xr, *rl, *wk, *y, *sig, *logits;
+  bf16 *x, *x1, *xe, *qkv, *q, *kn, *vn, *att, *a, *gu, *actd, *m1, *xs, *acte, *probs;
   int32_t *idx, *offsets, *sorted_pos, *moe_meta;
   float* router_partial;      // router_top_k_assign's split partials (canvas-sized passes)
   unsigned* router_counters;  // its arrival counters: zeroed once, left zeroed by every call
@@ -708,14 +708,13 @@ class CudaBackend final : public Backend {
       else
         cuda::moe_group_padded(s_.idx, T, K, E, s_.xe, H, M, s_.offsets, s_.sorted_pos, s_.xs, stream_, s_.moe_meta);
       mark(kStGroup);
-      // gate/up in bf16 (in y, free until the down GEMM), as HF's expert linear rounds them; the grouped kernels of
-      // the overflow rows keep theirs in f32 (one rounding fewer, same tolerance).
+      // gate/up in f32 (in y, free until the down GEMM): one bf16 rounding, of the activation, as the grouped kernels.
       // The overflow rows run on a small grid over the listed experts (moe_group_padded's meta).
-      gemm_->linear_batched(s_.xs, Dt::BF16, M, L.exp_gu, Dt::BF16, 2 * Ie, H, s_.y, Dt::BF16, E, stream_);
+      gemm_->linear_batched(s_.xs, Dt::BF16, M, L.exp_gu, Dt::BF16, 2 * Ie, H, s_.y, Dt::F32, E, stream_);
       cuda::moe_gelu_mul_padded(s_.y, E, M, Ie, s_.moe_meta, s_.acte, stream_);
       cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, stream_, s_.moe_meta);
       mark(kStGateUp);
-      gemm_->linear_batched(s_.acte, Dt::BF16, M, L.exp_down, Dt::BF16, H, Ie, s_.y, Dt::BF16, E, stream_);
+      gemm_->linear_batched(s_.acte, Dt::BF16, M, L.exp_down, Dt::BF16, H, Ie, s_.y, Dt::F32, E, stream_);
       cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, stream_, s_.moe_meta);
       mark(kStDown);
     } else {
@@ -762,7 +761,7 @@ class CudaBackend final : public Backend {
     // expert rows: T k grouped, or E M padded + Lc k overflow for canvas-sized passes (moe_group_padded)
     const size_t pad_rows = E * size_t(cuda::moe_padded_rows_per_expert(int(Lc), int(K), int(E))) + Lc * K;
     const size_t exp_rows = std::max(Tm * K, pad_rows);
-    s_.y = ar.take<bf16>(std::max(exp_rows * H, pad_rows * 2 * Ie));  // also the padded path's gate/up
+    s_.y = ar.take<float>(std::max(exp_rows * H, pad_rows * 2 * Ie));  // also the padded path's f32 gate/up
     s_.sig = ar.take<float>(Lc * H);
     s_.logits = ar.take<float>(Lc * V);
     for (bf16** p : {&s_.x, &s_.x1, &s_.xe, &s_.a, &s_.m1}) *p = ar.take<bf16>(Tm * H);

@@ -45,8 +45,8 @@ struct CudaOptions {
   // the same launches eagerly (A/B in `diffgemma bench --no-graphs`).
   bool cuda_graphs = true;
   // Canvas-sized passes (denoise, commit) run the experts as two strided-batched cuBLASLt GEMMs over every expert
-  // padded to 2 x mean rows (moe_group_padded; rows past that through the grouped kernels), gate/up and the expert
-  // outputs in bf16 as HF rounds them. On the H200 (docs/BENCHMARKS.md 2026-11-30) it cuts the
+  // padded to 2 x mean rows (moe_group_padded; rows past that through the grouped kernels), gate/up kept in f32
+  // before the activation exactly as the grouped kernels do. On the H200 (docs/BENCHMARKS.md 2026-11-30) it cuts the
   // 4K step from 21.8 to 20.4 ms and passes the same parity checks. Off: the grouped kernels for every pass
   // (A/B: `diffgemma bench --grouped-experts`). Prefill chunks always use the grouped kernels.
   bool padded_experts = true;

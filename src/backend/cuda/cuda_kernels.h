@@ -174,9 +174,8 @@ void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, in
 void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int M, int32_t* ovf_offsets,
                       int32_t* sorted_pos, bf16* xs, cudaStream_t s, int32_t* meta = nullptr);
 // act[r] = bf16(gelu_tanh(gu[r, 0:I]) * gu[r, I:2I]) for the padded rows that hold a pair (meta of
-// moe_group_padded); the padding rows of act are left as they are (nothing reads them). gu is the gate_up GEMM's
-// bf16 output (HF's expert linear rounds gate and up to bf16 too; f32 would double the bytes written and read).
-void moe_gelu_mul_padded(const bf16* gu, int E, int M, int I, const int32_t* meta, bf16* act, cudaStream_t s);
+// moe_group_padded); the padding rows of act are left as they are (nothing reads them).
+void moe_gelu_mul_padded(const float* gu, int E, int M, int I, const int32_t* meta, bf16* act, cudaStream_t s);
 // M for moe_group_padded at T tokens top-k of E: twice the mean rows per expert, a multiple of 16, at least 16.
 inline int moe_padded_rows_per_expert(int T, int k, int E) {
   const int mean = (T * k + E - 1) / E, m = 2 * mean > 16 ? 2 * mean : 16;
@@ -184,20 +183,19 @@ inline int moe_padded_rows_per_expert(int T, int k, int E) {
 }
 // Grouped expert GEMMs over rows grouped by expert (offsets [E+1], rows [0, P)):
 //   act[r, :] = gelu_tanh(xs[r] . Wgu[e, 0:I]^T) * (xs[r] . Wgu[e, I:2I]^T)     Wgu: [E, 2I, H]
-//   y[r, :] = act[r] . Wd[e]^T                                                 Wd:  [E, H, I]  (bf16 out)
-// y is bf16 as HF's expert output is (and half the bytes of f32 through the down GEMM and the combine's gather).
+//   y[r, :] = act[r] . Wd[e]^T                                                 Wd:  [E, H, I]  (f32 out)
 // expert_list (may be null): only the experts meta[1 .. meta[0]] of moe_group_padded (its overflow rows), run by
 // a small fixed grid whatever their number, instead of one block column per expert.
 void moe_gate_up(const bf16* xs, const int32_t* offsets, int E, int P, const bf16* Wgu, int H, int I, bf16* act,
                  cudaStream_t s, const int32_t* expert_list = nullptr);
-void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16* Wd, int H, int I, bf16* y,
+void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16* Wd, int H, int I, float* y,
               cudaStream_t s, const int32_t* expert_list = nullptr);
 // out[t] = sum over the token's k slots in ascending expert id of w[t, j] * y[sorted_pos[t*k + j]]   (f32)
-void moe_combine(const bf16* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
+void moe_combine(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
                  float* out, cudaStream_t s);
 // moe_combine into m2, then ffn_combine(h, m1, m2, ...), in one kernel (m2 never reaches global memory).
 // x_next (may be null): also rms_norm_f32_to_bf16(h; w_next) of the new h, the next layer's input (same arithmetic).
-void moe_combine_ffn(const bf16* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
+void moe_combine_ffn(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
                      float scalar, cudaStream_t s, const float* w_next = nullptr, bf16* x_next = nullptr);
 

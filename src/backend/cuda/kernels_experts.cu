@@ -54,7 +54,7 @@ template <bool GATED>
 // expert_list != null: the block column walks the listed experts (list[0] of them, ids list[1..]) with stride
 // gridDim.y instead of taking expert blockIdx.y (the padded path's few overflow experts on a small grid).
 __global__ void __launch_bounds__(kGemmThreads, 2) moe_tiled_k(const bf16* X, const int32_t* offsets, const bf16* W,
-                                                              int N, int K, bf16* act, bf16* y,
+                                                              int N, int K, bf16* act, float* y,
                                                               const int32_t* expert_list) {
   extern __shared__ __align__(128) unsigned char smem[];
   float* Cs = reinterpret_cast<float*>(smem);  // epilogue only: aliases the drained stages
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) moe_tiled_k(const bf16* X, co
       } else {
         for (int i = tid; i < m_valid * GN; i += kGemmThreads) {
           const int r = i / GN, c = i % GN;
-          if (n0 + c < N) y[size_t(m0 + r) * N + n0 + c] = __float2bfloat16(Cs[r * LDC + c]);
+          if (n0 + c < N) y[size_t(m0 + r) * N + n0 + c] = Cs[r * LDC + c];
         }
       }
       __syncthreads();  // Cs is read before the next m-tile's loads overwrite it
@@ -196,7 +196,7 @@ struct StreamCfg {
 // column of their weight rows at once.
 template <bool GATED, int GNI, int SK, int S, bool ROT>
 __global__ void __launch_bounds__(kStreamThreads, 1)
-    moe_stream_k(const bf16* X, const int32_t* offsets, int E, const bf16* W, int N, int K, bf16* act, bf16* y) {
+    moe_stream_k(const bf16* X, const int32_t* offsets, int E, const bf16* W, int N, int K, bf16* act, float* y) {
   using C = StreamCfg<GNI, SK, S>;
   constexpr int LD = C::LD, NF = GNI / 32, NO = GATED ? GNI / 2 : GNI;  // NF: n8 fragments per warp
   extern __shared__ __align__(128) unsigned char smem[];
@@ -345,10 +345,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
               const int col = nt * NO + wn * NF * 8 + j * 8 + (lane & 3) * 2;
               const float v0 = acc[mi][j][2 * h], v1 = acc[mi][j][2 * h + 1];
               if (col + 1 < N && (N & 1) == 0) {
-                *reinterpret_cast<__nv_bfloat162*>(y + row * N + col) = __floats2bfloat162_rn(v0, v1);
+                *reinterpret_cast<float2*>(y + row * N + col) = make_float2(v0, v1);
               } else {
-                if (col < N) y[row * N + col] = __float2bfloat16(v0);
-                if (col + 1 < N) y[row * N + col + 1] = __float2bfloat16(v1);
+                if (col < N) y[row * N + col] = v0;
+                if (col + 1 < N) y[row * N + col + 1] = v1;
               }
             }
           }
@@ -368,7 +368,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 // PERSIST: grid = resident blocks (at most one per item), each walking many items; otherwise one block per item
 // (what moe_gate_up / moe_down use).
 template <bool GATED, int GNI, int SK, int S, bool ROT, bool PERSIST = true>
-void launch_stream(const bf16* X, const int32_t* offsets, int E, const bf16* W, int N, int K, bf16* act, bf16* y,
+void launch_stream(const bf16* X, const int32_t* offsets, int E, const bf16* W, int N, int K, bf16* act, float* y,
                    cudaStream_t s) {
   using C = StreamCfg<GNI, SK, S>;
   static int grid_per_sm = 0, n_sm = 0, smem_set = 0;  // one set per instantiation
@@ -417,7 +417,7 @@ void moe_gate_up(const bf16* xs, const int32_t* offsets, int E, int P, const bf1
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16* Wd, int H, int I, bf16* y,
+void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16* Wd, int H, int I, float* y,
               cudaStream_t s, const int32_t* expert_list) {
   if (P == 0) return;
   if (I % 8 != 0) throw_cuda_error("moe_down", "expert width must be a multiple of 8", 0, __FILE__, __LINE__);

@@ -139,19 +139,32 @@ __device__ void assign_pairs(const int32_t* idx, int P, int E, int M, int32_t* o
   __syncthreads();
   for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&cnt[__ldcg(idx + i)], 1);
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x < 32) {  // warp 0 scans the counts, 32 experts at a time, in ascending expert id
+    const int lane = threadIdx.x;
     int run = E * M, n_ovf = 0;
-    for (int e = 0; e < E; ++e) {
-      ovf[e] = run;
-      run += max(0, cnt[e] - M);
-      if (meta) {
-        if (cnt[e] > M) meta[1 + n_ovf++] = e;
-        meta[1 + E + e] = min(cnt[e], M);
+    for (int e0 = 0; e0 < E; e0 += 32) {
+      const int e = e0 + lane, c = e < E ? cnt[e] : 0, over = max(0, c - M);
+      int incl = over;  // inclusive scan of the overflow rows
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
       }
-      cnt[e] = 0;
+      const unsigned flagged = __ballot_sync(0xffffffffu, c > M);
+      if (e < E) {
+        ovf[e] = run + incl - over;
+        if (meta) {
+          if (c > M) meta[1 + n_ovf + __popc(flagged & ((1u << lane) - 1u))] = e;
+          meta[1 + E + e] = min(c, M);
+        }
+        cnt[e] = 0;
+      }
+      run += __shfl_sync(0xffffffffu, incl, 31);
+      n_ovf += __popc(flagged);
     }
-    ovf[E] = run;
-    if (meta) meta[0] = n_ovf;
+    if (lane == 0) {
+      ovf[E] = run;
+      if (meta) meta[0] = n_ovf;
+    }
   }
   __syncthreads();
   for (int i = threadIdx.x; i < P; i += blockDim.x) {
@@ -172,8 +185,9 @@ __global__ void moe_assign_k(const int32_t* idx, int P, int E, int M, int32_t* o
 // Phase 2, the last block of each token tile to finish (an arrival counter): the split partials added in split
 // order, the logits written, and each warp's tokens routed (warp_top_k).
 // Phase 3, the last token tile to finish: assign_pairs over all T k pairs.
-// Fixed summation orders everywhere, so the results do not depend on which block finishes last.
-constexpr int kRtTok = 32, kRtExp = 128, kRtKc = 16, kRtThreads = 256;
+// Fixed summation orders everywhere, so the results do not depend on which block finishes last. Phase 2 issues a
+// token's loads of all splits before adding them (a loop that waits on each L2 load in turn took ~20 us).
+constexpr int kRtTok = 32, kRtExp = 128, kRtKc = 32, kRtThreads = 256, kRtMaxSplits = 16;
 static_assert(kRtTok == 32, "router_counter_slots (cuda_kernels.h) assumes 32-token tiles");
 constexpr int kRtXs = kRtTok + 4, kRtWs = kRtExp + 4;  // padded smem rows (float4-aligned, fewer bank conflicts)
 
@@ -184,30 +198,25 @@ __global__ void __launch_bounds__(kRtThreads) router_fused_k(RouterArgs a) {
   __shared__ unsigned arrival;
   const int tid = threadIdx.x, tt = blockIdx.x, split = blockIdx.y, t0 = tt * kRtTok;
   const int k0 = split * a.kc, k1 = min(a.H, k0 + a.kc);
-  // loader roles: x slice = 32 tokens x 16 k (threads 0..127, one float4), w slice = 128 experts x 16 k (2 float4)
-  const int lr = tid >> 2, lc = (tid & 3) * 4;
-  float4 px = make_float4(0, 0, 0, 0), pw[2];
+  // loader roles: a slice is 32 tokens x 32 k (one float4 per thread) and 128 experts x 32 k (four)
+  const int lr = tid >> 3, lc = (tid & 7) * 4;
+  float4 px, pw[4];
   auto fetch = [&](int kb) {
-    const int kk = kb + lc;
-    if (tid < kRtTok * 4) {
-      const int t = t0 + lr;
-      px = t < a.T && kk < k1 ? __ldg(reinterpret_cast<const float4*>(a.x + size_t(t) * a.H + kk))
-                              : make_float4(0, 0, 0, 0);
-    }
+    const int kk = kb + lc, t = t0 + lr;
+    px = t < a.T && kk < k1 ? __ldg(reinterpret_cast<const float4*>(a.x + size_t(t) * a.H + kk))
+                            : make_float4(0, 0, 0, 0);
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int e = lr + 64 * j;
+    for (int j = 0; j < 4; ++j) {
+      const int e = lr + 32 * j;
       pw[j] = e < a.E && kk < k1 ? __ldg(reinterpret_cast<const float4*>(a.W + size_t(e) * a.H + kk))
                                  : make_float4(0, 0, 0, 0);
     }
   };
   auto stash = [&](int buf) {
-    if (tid < kRtTok * 4) {
-      xs[buf][lc + 0][lr] = px.x, xs[buf][lc + 1][lr] = px.y, xs[buf][lc + 2][lr] = px.z, xs[buf][lc + 3][lr] = px.w;
-    }
+    xs[buf][lc + 0][lr] = px.x, xs[buf][lc + 1][lr] = px.y, xs[buf][lc + 2][lr] = px.z, xs[buf][lc + 3][lr] = px.w;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int e = lr + 64 * j;
+    for (int j = 0; j < 4; ++j) {
+      const int e = lr + 32 * j;
       ws[buf][lc + 0][e] = pw[j].x, ws[buf][lc + 1][e] = pw[j].y, ws[buf][lc + 2][e] = pw[j].z;
       ws[buf][lc + 3][e] = pw[j].w;
     }
@@ -256,15 +265,18 @@ __global__ void __launch_bounds__(kRtThreads) router_fused_k(RouterArgs a) {
   if (arrival != unsigned(gridDim.y) - 1) return;
   __threadfence();
   if (tid == 0) a.counters[tt] = 0;  // every split of this tile has arrived: ready for the next launch
-#pragma unroll
+  const int ns = int(gridDim.y);
   for (int i = 0; i < 4; ++i) {
     const int t = t0 + ty * 4 + i;
     if (t >= a.T) break;  // warp-uniform
-    float4 sum = __ldcg(reinterpret_cast<const float4*>(a.partial + size_t(t) * kRtExp + tx * 4));
-    for (int sp = 1; sp < int(gridDim.y); ++sp) {
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(a.partial + (size_t(sp) * a.T + t) * kRtExp + tx * 4));
-      sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-    }
+    float4 v[kRtMaxSplits];
+#pragma unroll
+    for (int sp = 0; sp < kRtMaxSplits; ++sp)
+      if (sp < ns) v[sp] = __ldcg(reinterpret_cast<const float4*>(a.partial + (size_t(sp) * a.T + t) * kRtExp + tx * 4));
+    float4 sum = v[0];
+#pragma unroll
+    for (int sp = 1; sp < kRtMaxSplits; ++sp)
+      if (sp < ns) sum.x += v[sp].x, sum.y += v[sp].y, sum.z += v[sp].z, sum.w += v[sp].w;
     float l[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -284,12 +296,12 @@ __global__ void __launch_bounds__(kRtThreads) router_fused_k(RouterArgs a) {
   assign_pairs(a.idx, a.T * a.k, a.E, a.M, a.ovf, a.sorted_pos, a.meta, cnt);
 }
 
-// act = bf16(gelu_tanh(gate) * up) over the padded rows that hold a pair (slot < valid[e]); gate/up in bf16.
-__global__ void moe_gelu_mul_padded_k(const bf16* gu, int E, int M, int I, const int32_t* valid, bf16* act) {
+// act = bf16(gelu_tanh(gate) * up) over the padded rows that hold a pair (slot < valid[e]); gate/up in f32.
+__global__ void moe_gelu_mul_padded_k(const float* gu, int E, int M, int I, const int32_t* valid, bf16* act) {
   for (int r = blockIdx.y; r < E * M; r += gridDim.y) {
     if (r % M >= valid[r / M]) continue;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < I; i += gridDim.x * blockDim.x) {
-      const float g = __bfloat162float(gu[size_t(r) * 2 * I + i]), u = __bfloat162float(gu[size_t(r) * 2 * I + I + i]);
+      const float g = gu[size_t(r) * 2 * I + i], u = gu[size_t(r) * 2 * I + I + i];
       act[size_t(r) * I + i] = __float2bfloat16(gelu_tanh(g) * u);
     }
   }
@@ -301,7 +313,7 @@ __global__ void moe_gather_k(const int32_t* sorted_pos, int k, const uint4* x, i
   for (int i = threadIdx.x; i < hvec; i += blockDim.x) xs[dst + i] = x[size_t(t) * hvec + i];
 }
 
-__global__ void moe_combine_k(const bf16* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k,
+__global__ void moe_combine_k(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k,
                               int H, float* out) {
   const int t = blockIdx.x;
   int order[kMaxTopK];
@@ -316,7 +328,7 @@ __global__ void moe_combine_k(const bf16* y, const int32_t* idx, const float* w,
     float acc = 0;
     for (int j = 0; j < k; ++j) {
       const int s = t * k + order[j];
-      acc += w[s] * __bfloat162float(y[size_t(sorted_pos[s]) * H + h]);
+      acc += w[s] * y[size_t(sorted_pos[s]) * H + h];
     }
     out[size_t(t) * H + h] = acc;
   }
@@ -339,7 +351,7 @@ __device__ void combine_sources(const int32_t* idx, const float* w, const int32_
 
 // moe_combine_k and ffn_combine_k (kernels_rows.cu) in one pass per token: the combined expert row m2 stays in shared
 // memory instead of a [T, H] f32 round trip through global memory and a second launch. Same arithmetic and order.
-__global__ void moe_combine_ffn_k(const bf16* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k,
+__global__ void moe_combine_ffn_k(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k,
                                   float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* wn,
                                   float eps, float scalar) {
   extern __shared__ float row[];  // [H]: m2, then the pre-norm sum
@@ -352,7 +364,7 @@ __global__ void moe_combine_ffn_k(const bf16* y, const int32_t* idx, const float
   float s1 = 0, s2 = 0;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
     float acc = 0;
-    for (int j = 0; j < k; ++j) acc += src_w[j] * __bfloat162float(y[size_t(src_row[j]) * H + i]);
+    for (int j = 0; j < k; ++j) acc += src_w[j] * y[size_t(src_row[j]) * H + i];
     row[i] = acc;
     const float a = __bfloat162float(m1[off + i]);
     s1 += a * a;
@@ -375,7 +387,7 @@ __global__ void moe_combine_ffn_k(const bf16* y, const int32_t* idx, const float
 constexpr int kCombineThreads = 256;
 template <int NV, int KMAX>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
-    const bf16* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
+    const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
     int H, const float* w1, const float* w2, const float* wn, float eps, float scalar, const float* w_next,
     bf16* x_next) {
   __shared__ int src_row[KMAX];
@@ -391,19 +403,17 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     const int c = threadIdx.x + q * kCombineThreads;
     float4 acc = make_float4(0, 0, 0, 0), a = acc;
     if (c < H4) {
-      uint2 ys[KMAX];  // 4 bf16 of each expert row
+      float4 ys[KMAX];
 #pragma unroll
       for (int j = 0; j < KMAX; ++j)
-        if (j < k) ys[j] = reinterpret_cast<const uint2*>(y + size_t(src_row[j]) * H)[c];
+        if (j < k) ys[j] = reinterpret_cast<const float4*>(y + size_t(src_row[j]) * H)[c];
 #pragma unroll
       for (int j = 0; j < KMAX; ++j)
         if (j < k) {
-          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ys[j].x));
-          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ys[j].y));
-          acc.x += src_w[j] * lo.x;
-          acc.y += src_w[j] * lo.y;
-          acc.z += src_w[j] * hi.x;
-          acc.w += src_w[j] * hi.y;
+          acc.x += src_w[j] * ys[j].x;
+          acc.y += src_w[j] * ys[j].y;
+          acc.z += src_w[j] * ys[j].z;
+          acc.w += src_w[j] * ys[j].w;
         }
       const uint2 u = reinterpret_cast<const uint2*>(m1 + off)[c];
       const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
@@ -497,7 +507,7 @@ void moe_gather(const int32_t* sorted_pos, int T, int k, const bf16* x, int H, b
 
 RouterSplit router_split(int T, int H) {
   const int tiles = (T + kRtTok - 1) / kRtTok;
-  int splits = std::max(1, std::min(16, 128 / std::max(tiles, 1)));
+  int splits = std::max(1, std::min(kRtMaxSplits, 128 / std::max(tiles, 1)));
   const int kc = ((H + splits - 1) / splits + kRtKc - 1) / kRtKc * kRtKc;
   splits = (H + kc - 1) / kc;  // no empty split
   return {tiles, splits, kc};
@@ -525,21 +535,21 @@ void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, in
   moe_group_padded(idx, T, k, E, x, H, /*M=*/0, offsets, sorted_pos, xs, s, nullptr);
 }
 
-void moe_gelu_mul_padded(const bf16* gu, int E, int M, int I, const int32_t* meta, bf16* act, cudaStream_t s) {
+void moe_gelu_mul_padded(const float* gu, int E, int M, int I, const int32_t* meta, bf16* act, cudaStream_t s) {
   if (E == 0 || M == 0) return;
   const dim3 grid(unsigned((I + 255) / 256), unsigned(std::min(E * M, 65535)));
   moe_gelu_mul_padded_k<<<grid, 256, 0, s>>>(gu, E, M, I, meta + 1 + E, act);
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_combine(const bf16* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
+void moe_combine(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
                  float* out, cudaStream_t s) {
   if (T == 0) return;
   moe_combine_k<<<T, 256, 0, s>>>(y, idx, w, sorted_pos, k, H, out);
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_combine_ffn(const bf16* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
+void moe_combine_ffn(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
                      float scalar, cudaStream_t s, const float* w_next, bf16* x_next) {
   if (T == 0) return;
