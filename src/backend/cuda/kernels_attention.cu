@@ -741,6 +741,299 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
 #endif
 }
 
+// ---- warp-specialized wgmma path (sm_90a), D = 256 ----------------------------------------------------------------
+// attention_ws_k: attention_wg_k's math (same tiles, same pipeline per warpgroup, same softmax, same split), but a
+// block of 3 warpgroups: warpgroup 0 only loads (Q, then K one tile ahead of V, 16-byte cp.async into the same
+// core-matrix layout) and signals "full" mbarriers; warpgroups 1 and 2 (64 rows each) only compute, each on its own
+// (no block barrier in the loop: they drift apart, so one's softmax overlaps the other's wgmmas), and arrive on
+// "empty" mbarriers once their wgmmas have read a stage. setmaxnreg gives the consumers 240 registers and the
+// producer kWsProdRegs. Each producer thread signals a load only after cp.async.wait_group and
+// fence.proxy.async (its own copies landed and are visible to the tensor cores' proxy), one load behind the last one
+// issued. NK K stages (2 or 3; V has 2).
+constexpr int kWsThreads = 384;
+constexpr int kWsProdRegs = 40, kWsConsRegs = 232;
+// Ping-pong (FA3): the two consumer warpgroups take turns issuing their wgmmas (S(i) and P(i-1) V(i-1)), through
+// two named barriers (ids 2, 3; 256 threads: the one waiting and the other one arriving), so one's softmax runs while
+// the other's wgmmas occupy the tensor cores.
+constexpr bool kWsPingPong = false;
+template <int D, int NK>
+struct WsCfg {
+  static_assert(D == 256, "");
+  static constexpr int BM = 128, BN = 64, RS = D * 16;
+  static constexpr size_t q_bytes = size_t(BM) * D * 2, kv_bytes = size_t(BN) * D * 2;
+  static constexpr size_t bar_off = q_bytes + size_t(NK + 2) * kv_bytes;
+  static constexpr size_t smem = bar_off + 8 * (2 * NK + 5);
+};
+
+// load_tile / load_q_tile for NTH threads (chunk i = t + NTH k, same (row, column chunk) mapping as load_tile).
+template <int W, int NTH, int ROWS>
+__device__ __forceinline__ void ws_rc(int i, int& r, int& c8) {
+  const int lo = i & 15, hi = i >> 4;
+  r = (hi / (W / 16)) * 8 + (lo & 7), c8 = (hi % (W / 16)) * 2 + (lo >> 3);
+}
+template <int W, int NTH>
+__device__ __forceinline__ void ws_load_tile(unsigned char* dst, const bf16* cache, const bf16* fresh,
+                                             const AttentionArgs& a, int kvh, int64_t j0, int64_t je, int64_t fp_mod,
+                                             int t) {
+  constexpr int kChunks = 64 * W / 8 / NTH;
+  const bf16* tb = nullptr;
+  if (j0 + 64 <= je) {
+    if (j0 + 64 <= a.n_old) {
+      int64_t s0 = fp_mod + j0;
+      if (s0 >= a.cap) s0 -= a.cap;
+      if (s0 + 64 <= a.cap) tb = cache + (size_t(s0) * a.nkv + kvh) * W;
+    } else if (j0 >= a.n_old) {
+      tb = fresh + (size_t(j0 - a.n_old) * a.nkv + kvh) * W;
+    }
+  }
+  if (tb) {
+    const size_t rstride = size_t(a.nkv) * W;
+#pragma unroll 1
+    for (int k = 0; k < kChunks; ++k) {
+      int r, c8;
+      ws_rc<W, NTH, 64>(t + NTH * k, r, c8);
+      cp_async16(dst + (r >> 3) * (W * 16) + c8 * 128 + (r & 7) * 16, tb + size_t(r) * rstride + c8 * 8, true);
+    }
+    return;
+  }
+#pragma unroll 1
+  for (int k = 0; k < kChunks; ++k) {
+    int r, c8;
+    ws_rc<W, NTH, 64>(t + NTH * k, r, c8);
+    const int64_t j = j0 + r;
+    const bool ok = j < je;
+    const bf16* src = fresh;
+    if (ok) {
+      if (j < a.n_old) {
+        int64_t slot = fp_mod + j;
+        while (slot >= a.cap) slot -= a.cap;
+        src = cache + (size_t(slot) * a.nkv + kvh) * W + c8 * 8;
+      } else {
+        src = fresh + (size_t(j - a.n_old) * a.nkv + kvh) * W + c8 * 8;
+      }
+    }
+    cp_async16(dst + (r >> 3) * (W * 16) + c8 * 128 + (r & 7) * 16, src, ok);
+  }
+}
+template <int W, int NTH>
+__device__ __forceinline__ void ws_load_q(unsigned char* dst, const AttentionArgs& a, int kvh, int g, int m0,
+                                          int rows_total, int t) {
+  constexpr int kChunks = 128 * W / 8 / NTH;
+#pragma unroll 1
+  for (int k = 0; k < kChunks; ++k) {
+    int r, c8;
+    ws_rc<W, NTH, 128>(t + NTH * k, r, c8);
+    const int gr = m0 + r;
+    const bool ok = gr < rows_total;
+    const bf16* src = a.q;
+    if (ok) src = a.q + (size_t(gr / g) * a.nh + kvh * g + gr % g) * W + c8 * 8;
+    cp_async16(dst + (r >> 3) * (W * 16) + c8 * 128 + (r & 7) * 16, src, ok);
+  }
+}
+
+#if defined(DG_ATTN_WGMMA)
+__device__ __forceinline__ void mbar_init(uint32_t addr, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t addr) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(addr) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_cta(uint32_t addr, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nWS_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra WS_DONE;\nbra WS_WAIT;\nWS_DONE:\n}\n" ::"r"(addr),
+      "r"(parity)
+      : "memory");
+}
+#endif
+
+template <int D, int NK>
+__global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a, Split sp) {
+#if defined(DG_ATTN_WGMMA)
+  using C = WsCfg<D, NK>;
+  constexpr int BM = C::BM, BN = C::BN, RS = C::RS, NT = BN / 8, OT = D / 8;
+  constexpr uint32_t kVLbo = RS, kVSbo = 128;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x;
+  const int g = a.nh / a.nkv, kvh = blockIdx.y, split = blockIdx.z;
+  const int rows_total = a.T * g;
+  const int bx = a.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int m0 = bx * BM;
+  const int last_row = min(rows_total, m0 + BM) - 1;
+  const int64_t q_min = a.q_pos0 + m0 / g, q_max = a.q_pos0 + last_row / g;
+  const int64_t nk = a.n_old + a.T_new;
+  int64_t jb = 0, je = nk;
+  if (a.causal) {
+    je = min(nk, q_max - a.first_pos + 1);
+    if (a.window > 0) jb = max(int64_t(0), q_min - a.window + 1 - a.first_pos);
+  }
+  if (sp.nsplit > 1) {
+    const int64_t tiles = je > jb ? (je - jb + BN - 1) / BN : 0;
+    const int64_t tps = (tiles + sp.nsplit - 1) / sp.nsplit;
+    const int64_t s0 = jb + split * tps * BN;
+    je = min(je, s0 + tps * BN);
+    jb = s0;
+  }
+  const int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t kbuf = base + uint32_t(C::q_bytes), vbuf = kbuf + uint32_t(NK * C::kv_bytes);
+  const uint32_t bars = base + uint32_t(C::bar_off);
+  auto full_k = [&](int s) { return bars + 8u * uint32_t(s); };
+  auto empty_k = [&](int s) { return bars + 8u * uint32_t(NK + s); };
+  auto full_v = [&](int s) { return bars + 8u * uint32_t(2 * NK + s); };
+  auto empty_v = [&](int s) { return bars + 8u * uint32_t(2 * NK + 2 + s); };
+  const uint32_t full_q = bars + 8u * uint32_t(2 * NK + 4);
+  if (tid == 0) {
+    for (int s = 0; s < NK; ++s) mbar_init(full_k(s), 128), mbar_init(empty_k(s), 8);
+    for (int s = 0; s < 2; ++s) mbar_init(full_v(s), 128), mbar_init(empty_v(s), 8);
+    mbar_init(full_q, 128);
+  }
+  __syncthreads();
+
+  if (tid < 128) {  // ---- producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProdRegs));
+    const int64_t fp_mod = a.first_pos % a.cap;
+    ws_load_q<D, 128>(smem, a, kvh, g, m0, rows_total, tid);
+    cp_async_commit();
+    uint32_t pend = full_q;  // the barrier of the last load issued, signalled after the next one is issued
+    auto signal = [&](uint32_t next) {
+      cp_async_commit();
+      cp_async_wait<1>();
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      mbar_arrive(pend);
+      pend = next;
+    };
+    if (ntiles > 0) {
+      ws_load_tile<D, 128>(smem + C::q_bytes, a.k_cache, a.k_new, a, kvh, jb, je, fp_mod, tid);
+      signal(full_k(0));
+    }
+    for (int64_t i = 0; i < ntiles; ++i) {
+      if (i + 1 < ntiles) {
+        const int64_t n = i + 1;
+        const int s = int(n % NK);
+        if (n >= NK) mbar_wait_cta(empty_k(s), uint32_t((n / NK - 1) & 1));
+        ws_load_tile<D, 128>(smem + C::q_bytes + s * C::kv_bytes, a.k_cache, a.k_new, a, kvh, jb + n * BN, je,
+                             fp_mod, tid);
+        signal(full_k(s));
+      }
+      const int s = int(i & 1);
+      if (i >= 2) mbar_wait_cta(empty_v(s), uint32_t((i / 2 - 1) & 1));
+      ws_load_tile<D, 128>(smem + C::q_bytes + (NK + s) * C::kv_bytes, a.v_cache, a.v_new, a, kvh, jb + i * BN, je,
+                           fp_mod, tid);
+      signal(full_v(s));
+    }
+    cp_async_wait<0>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    mbar_arrive(pend);
+  } else {  // ---- consumer warpgroups
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsRegs));
+    const int ct = tid - 128, warp = ct >> 5, lane = ct & 31, grp = lane >> 2, tig = lane & 3;
+    const int wg = ct >> 7, wwarp = warp & 3, rbase = wg * 64;
+    int64_t qp[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int gr = min(m0 + rbase + wwarp * 16 + grp + h * 8, rows_total - 1);
+      qp[h] = a.q_pos0 + gr / g;
+    }
+    float o[OT * 4];
+#pragma unroll
+    for (int t = 0; t < OT * 4; ++t) o[t] = 0.0f;
+    float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};
+    const uint64_t qd = wg_desc(base + uint32_t(rbase / 8) * RS, 128, RS);
+    mbar_wait_cta(full_q, 0);
+    if constexpr (kWsPingPong) {  // warpgroup 0 goes first
+      if (wg == 1) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+    }
+    uint32_t pa[BN / 16][4];
+    for (int64_t i = 0; i < ntiles; ++i) {
+      const int ks = int(i % NK);
+      const int64_t j0 = jb + i * BN;
+      mbar_wait_cta(full_k(ks), uint32_t((i / NK) & 1));
+      if constexpr (kWsPingPong) asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg) : "memory");
+      float s[NT * 4];
+#pragma unroll
+      for (int t = 0; t < NT * 4; ++t) s[t] = 0.0f;
+      wg_fence();
+      const uint64_t kd = wg_desc(kbuf + uint32_t(ks * C::kv_bytes), 128, RS);
+#pragma unroll
+      for (int kk = 0; kk < D; kk += 16) wg_ss_n64(s, qd + uint64_t(kk), kd + uint64_t(kk));
+      wg_commit();
+      if (i > 0) {
+        const int vs = int((i - 1) & 1);
+        mbar_wait_cta(full_v(vs), uint32_t(((i - 1) / 2) & 1));
+        const uint64_t vd = wg_desc(vbuf + uint32_t(vs * C::kv_bytes), kVLbo, kVSbo);
+#pragma unroll
+        for (int kc = 0; kc < BN / 16; ++kc) wg_rs_n256_t(o, pa[kc], vd + uint64_t(kc * 2 * RS / 16));
+      }
+      wg_commit();
+      if constexpr (kWsPingPong) asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - wg) : "memory");  // other's turn
+      wg_wait<1>();
+      reg_fence(s);
+      if (lane == 0) mbar_arrive(empty_k(ks));
+      float alpha[2];
+      mask_softmax<NT>(s, alpha, m_r, l_r, a, j0, je, q_min, q_max, qp, tig);
+      wg_wait<0>();
+      reg_fence(o);
+      if (i > 0 && lane == 0) mbar_arrive(empty_v(int((i - 1) & 1)));
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+        for (int t = 0; t < OT; ++t) {
+          o[t * 4 + 0] *= alpha[0], o[t * 4 + 1] *= alpha[0];
+          o[t * 4 + 2] *= alpha[1], o[t * 4 + 3] *= alpha[1];
+        }
+      }
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pa[kc][r] = pack_bf16(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
+    }
+    if constexpr (kWsPingPong) {  // warpgroup 1's last arrive on barrier 2 (1 + ntiles arrives, ntiles syncs so far)
+      if (wg == 0) asm volatile("bar.sync 2, 256;\n" ::: "memory");
+    }
+    if (ntiles > 0) {
+      const int vs = int((ntiles - 1) & 1);
+      mbar_wait_cta(full_v(vs), uint32_t(((ntiles - 1) / 2) & 1));
+      wg_fence();
+      const uint64_t vd = wg_desc(vbuf + uint32_t(vs * C::kv_bytes), kVLbo, kVSbo);
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc) wg_rs_n256_t(o, pa[kc], vd + uint64_t(kc * 2 * RS / 16));
+      wg_commit();
+      wg_wait<0>();
+      reg_fence(o);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
+      l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int gr = m0 + rbase + wwarp * 16 + grp + h * 8;
+      if (gr >= rows_total) continue;
+      const int col0 = tig * 2;
+      if (sp.nsplit == 1) {
+        const float inv = l_r[h] > 0 ? 1.0f / l_r[h] : 0.0f;
+        bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + col0;
+#pragma unroll
+        for (int t = 0; t < OT; ++t)
+          *reinterpret_cast<__nv_bfloat162*>(dst + t * 8) =
+              __floats2bfloat162_rn(o[t * 4 + 2 * h] * inv, o[t * 4 + 2 * h + 1] * inv);
+      } else {
+        const size_t row = (size_t(split) * a.nkv + kvh) * rows_total + gr;
+        float* dst = sp.ws_o + row * D + col0;
+#pragma unroll
+        for (int t = 0; t < OT; ++t)
+          *reinterpret_cast<float2*>(dst + t * 8) = make_float2(o[t * 4 + 2 * h], o[t * 4 + 2 * h + 1]);
+        if (tig == 0) *reinterpret_cast<float2*>(sp.ws_ml + row * 2) = make_float2(m_r[h], l_r[h]);
+      }
+    }
+  }
+#else
+  static_assert(WsCfg<D, NK>::RS > 0, "");
+#endif
+}
+
 // ---- D = 512 as two half-D blocks (a cluster of 2) -----------------------------------------------------------------
 // A 64-row D = 512 block (attention_k, or wgmma with 2 warpgroups on half D each) is bound by L2 -> SM traffic: O of
 // 64 rows x 512 f32 fills half the register file, so a block holds only 64 rows and each K/V byte is re-read for every
@@ -1034,6 +1327,8 @@ int sm_count() {
 constexpr bool kWgmma = true;      // master switch of the wgmma paths
 constexpr bool kWgx256 = false;    // D = 256 through attention_wgx_k (cluster pairs of half-D blocks)
 constexpr bool kWg256 = true;      // D = 256 through attention_wg_k (when not the above)
+constexpr bool kWs256 = true;      // D = 256 through attention_ws_k (warp-specialized; before attention_wg_k)
+constexpr int kWsK = 2;            // ... its K stages (2 or 3)
 constexpr bool kWgx512 = true;     // D = 512 through attention_wgx_k
 constexpr bool kWgxCausal = true;  // ... causal (prefill) launches too
 constexpr int64_t kWgxMinKeys = 0;  // ... when the launch has at least this many keys
@@ -1100,6 +1395,22 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
       cfg.attrs = at, cfg.numAttrs = 1;
       CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, sp));
+      return combine(a, sp, s);
+    }
+  }
+  if constexpr (D == 256) {
+    constexpr auto wsk = attention_ws_k<256, kWsK>;
+    static const bool ws = kWgmma && kWs256 && [] {
+      if (!hopper_build_of(wsk)) return false;
+      CUDA_CHECK(cudaFuncSetAttribute(wsk, cudaFuncAttributeMaxDynamicSharedMemorySize, int(WsCfg<256, kWsK>::smem)));
+      return true;
+    }();
+    if (ws) {
+      using W = WsCfg<256, kWsK>;
+      const int row_tiles = (rows + W::BM - 1) / W::BM;
+      const Split sp = pick_split(a, row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
+      wsk<<<dim3(row_tiles, a.nkv, sp.nsplit), kWsThreads, W::smem, s>>>(a, sp);
+      CUDA_CHECK_LAUNCH();
       return combine(a, sp, s);
     }
   }
