@@ -569,10 +569,23 @@ __device__ __forceinline__ void wg_rs_n256_t(float (&d)[128], const uint32_t (&a
 }
 #endif
 
+// attention_wgx_k's mbarrier waits: acquire at CTA scope (true), as CUTLASS's ClusterBarrier::wait does for data that
+// the partner's async stores (st.async, complete_tx) bring, or at cluster scope (false: the wait compiled to a
+// CCTL.IVALL, an L1 invalidate that first waited for the thread's in-flight K/V cp.async loads, every tile; ncu at
+// kv 4096: 15% of the warps' stall samples on it).
+constexpr bool kXWaitCta = true;
 #if defined(DG_ATTN_WGMMA)
-// Waits for the phase of parity `parity` of a shared-memory mbarrier to complete (acquire at cluster scope: the data
-// it guards may have come from the partner CTA).
+// Waits for the phase of parity `parity` of a shared-memory mbarrier to complete (see kXWaitCta).
 __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
+  if constexpr (kXWaitCta) {
+    asm volatile(
+        "{\n.reg .pred P1;\nLAB_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(addr),
+        "r"(parity)
+        : "memory");
+    return;
+  }
   asm volatile(
       "{\n.reg .pred P1;\nLAB_WAIT:\n"
       "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
@@ -765,41 +778,51 @@ struct WsCfg {
   static constexpr size_t smem = bar_off + 8 * (2 * NK + 5);
 };
 
-// load_tile / load_q_tile for NTH threads (chunk i = t + NTH k, same (row, column chunk) mapping as load_tile).
-template <int W, int NTH, int ROWS>
-__device__ __forceinline__ void ws_rc(int i, int& r, int& c8) {
-  const int lo = i & 15, hi = i >> 4;
-  r = (hi / (W / 16)) * 8 + (lo & 7), c8 = (hi % (W / 16)) * 2 + (lo >> 3);
+// load_tile / load_q_tile for NTH threads: chunk i = t + NTH k of a ROWS x W tile -> row r, 16-byte column chunk c8,
+// byte offset in shared memory. SW false: load_tile's core-matrix layout and mapping. SW true: the 128-byte swizzle
+// (wgmma's SWIZZLE_128B, K-major): W / 64 atoms of ROWS rows x 128 bytes, chunk c of row r at atom + 128 r +
+// 16 (c ^ (r & 7)); 8 consecutive threads read one row's 128 contiguous bytes and write one 128-byte row.
+template <bool SW, int W, int ROWS>
+__device__ __forceinline__ void ws_rc(int i, int& r, int& c8, int& off) {
+  if constexpr (SW) {
+    const int c = i & 7, at = i / (8 * ROWS);
+    r = (i >> 3) % ROWS, c8 = at * 8 + c;
+    off = at * (ROWS * 128) + r * 128 + ((c ^ (r & 7)) << 4);
+  } else {
+    const int lo = i & 15, hi = i >> 4;
+    r = (hi / (W / 16)) * 8 + (lo & 7), c8 = (hi % (W / 16)) * 2 + (lo >> 3);
+    off = (r >> 3) * (W * 16) + c8 * 128 + (r & 7) * 16;
+  }
 }
-template <int W, int NTH>
+template <bool SW, int W, int NTH>
 __device__ __forceinline__ void ws_load_tile(unsigned char* dst, const bf16* cache, const bf16* fresh,
-                                             const AttentionArgs& a, int kvh, int64_t j0, int64_t je, int64_t fp_mod,
-                                             int t) {
+                                             const AttentionArgs& a, int D, int kvh, int col0, int64_t j0, int64_t je,
+                                             int64_t fp_mod, int t) {
   constexpr int kChunks = 64 * W / 8 / NTH;
   const bf16* tb = nullptr;
   if (j0 + 64 <= je) {
     if (j0 + 64 <= a.n_old) {
       int64_t s0 = fp_mod + j0;
       if (s0 >= a.cap) s0 -= a.cap;
-      if (s0 + 64 <= a.cap) tb = cache + (size_t(s0) * a.nkv + kvh) * W;
+      if (s0 + 64 <= a.cap) tb = cache + (size_t(s0) * a.nkv + kvh) * D + col0;
     } else if (j0 >= a.n_old) {
-      tb = fresh + (size_t(j0 - a.n_old) * a.nkv + kvh) * W;
+      tb = fresh + (size_t(j0 - a.n_old) * a.nkv + kvh) * D + col0;
     }
   }
   if (tb) {
-    const size_t rstride = size_t(a.nkv) * W;
-#pragma unroll 1
+    const size_t rstride = size_t(a.nkv) * D;
+#pragma unroll(NTH >= 256 ? kChunks : 1)
     for (int k = 0; k < kChunks; ++k) {
-      int r, c8;
-      ws_rc<W, NTH, 64>(t + NTH * k, r, c8);
-      cp_async16(dst + (r >> 3) * (W * 16) + c8 * 128 + (r & 7) * 16, tb + size_t(r) * rstride + c8 * 8, true);
+      int r, c8, off;
+      ws_rc<SW, W, 64>(t + NTH * k, r, c8, off);
+      cp_async16(dst + off, tb + size_t(r) * rstride + c8 * 8, true);
     }
     return;
   }
-#pragma unroll 1
+#pragma unroll(NTH >= 256 ? kChunks : 1)
   for (int k = 0; k < kChunks; ++k) {
-    int r, c8;
-    ws_rc<W, NTH, 64>(t + NTH * k, r, c8);
+    int r, c8, off;
+    ws_rc<SW, W, 64>(t + NTH * k, r, c8, off);
     const int64_t j = j0 + r;
     const bool ok = j < je;
     const bf16* src = fresh;
@@ -807,27 +830,27 @@ __device__ __forceinline__ void ws_load_tile(unsigned char* dst, const bf16* cac
       if (j < a.n_old) {
         int64_t slot = fp_mod + j;
         while (slot >= a.cap) slot -= a.cap;
-        src = cache + (size_t(slot) * a.nkv + kvh) * W + c8 * 8;
+        src = cache + (size_t(slot) * a.nkv + kvh) * D + col0 + c8 * 8;
       } else {
-        src = fresh + (size_t(j - a.n_old) * a.nkv + kvh) * W + c8 * 8;
+        src = fresh + (size_t(j - a.n_old) * a.nkv + kvh) * D + col0 + c8 * 8;
       }
     }
-    cp_async16(dst + (r >> 3) * (W * 16) + c8 * 128 + (r & 7) * 16, src, ok);
+    cp_async16(dst + off, src, ok);
   }
 }
-template <int W, int NTH>
-__device__ __forceinline__ void ws_load_q(unsigned char* dst, const AttentionArgs& a, int kvh, int g, int m0,
-                                          int rows_total, int t) {
+template <bool SW, int W, int NTH>
+__device__ __forceinline__ void ws_load_q(unsigned char* dst, const AttentionArgs& a, int D, int kvh, int g,
+                                          int col0, int m0, int rows_total, int t) {
   constexpr int kChunks = 128 * W / 8 / NTH;
-#pragma unroll 1
+#pragma unroll(NTH >= 256 ? kChunks : 1)
   for (int k = 0; k < kChunks; ++k) {
-    int r, c8;
-    ws_rc<W, NTH, 128>(t + NTH * k, r, c8);
+    int r, c8, off;
+    ws_rc<SW, W, 128>(t + NTH * k, r, c8, off);
     const int gr = m0 + r;
     const bool ok = gr < rows_total;
     const bf16* src = a.q;
-    if (ok) src = a.q + (size_t(gr / g) * a.nh + kvh * g + gr % g) * W + c8 * 8;
-    cp_async16(dst + (r >> 3) * (W * 16) + c8 * 128 + (r & 7) * 16, src, ok);
+    if (ok) src = a.q + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + col0 + c8 * 8;
+    cp_async16(dst + off, src, ok);
   }
 }
 
@@ -848,7 +871,7 @@ __device__ __forceinline__ void mbar_wait_cta(uint32_t addr, uint32_t parity) {
 }
 #endif
 
-template <int D, int NK>
+template <int D, int NK, bool SW>
 __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a, Split sp) {
 #if defined(DG_ATTN_WGMMA)
   using C = WsCfg<D, NK>;
@@ -894,7 +917,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
   if (tid < 128) {  // ---- producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProdRegs));
     const int64_t fp_mod = a.first_pos % a.cap;
-    ws_load_q<D, 128>(smem, a, kvh, g, m0, rows_total, tid);
+    ws_load_q<SW, D, 128>(smem, a, D, kvh, g, 0, m0, rows_total, tid);
     cp_async_commit();
     uint32_t pend = full_q;  // the barrier of the last load issued, signalled after the next one is issued
     auto signal = [&](uint32_t next) {
@@ -905,7 +928,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       pend = next;
     };
     if (ntiles > 0) {
-      ws_load_tile<D, 128>(smem + C::q_bytes, a.k_cache, a.k_new, a, kvh, jb, je, fp_mod, tid);
+      ws_load_tile<SW, D, 128>(smem + C::q_bytes, a.k_cache, a.k_new, a, D, kvh, 0, jb, je, fp_mod, tid);
       signal(full_k(0));
     }
     for (int64_t i = 0; i < ntiles; ++i) {
@@ -913,14 +936,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
         const int64_t n = i + 1;
         const int s = int(n % NK);
         if (n >= NK) mbar_wait_cta(empty_k(s), uint32_t((n / NK - 1) & 1));
-        ws_load_tile<D, 128>(smem + C::q_bytes + s * C::kv_bytes, a.k_cache, a.k_new, a, kvh, jb + n * BN, je,
-                             fp_mod, tid);
+        ws_load_tile<SW, D, 128>(smem + C::q_bytes + s * C::kv_bytes, a.k_cache, a.k_new, a, D, kvh, 0, jb + n * BN,
+                                 je, fp_mod, tid);
         signal(full_k(s));
       }
       const int s = int(i & 1);
       if (i >= 2) mbar_wait_cta(empty_v(s), uint32_t((i / 2 - 1) & 1));
-      ws_load_tile<D, 128>(smem + C::q_bytes + (NK + s) * C::kv_bytes, a.v_cache, a.v_new, a, kvh, jb + i * BN, je,
-                           fp_mod, tid);
+      ws_load_tile<SW, D, 128>(smem + C::q_bytes + (NK + s) * C::kv_bytes, a.v_cache, a.v_new, a, D, kvh, 0,
+                               jb + i * BN, je, fp_mod, tid);
       signal(full_v(s));
     }
     cp_async_wait<0>();
@@ -940,7 +963,20 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
 #pragma unroll
     for (int t = 0; t < OT * 4; ++t) o[t] = 0.0f;
     float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};
-    const uint64_t qd = wg_desc(base + uint32_t(rbase / 8) * RS, 128, RS);
+    // Descriptors. SW: 128-byte swizzle (layout type 1 in bits 62-63), K-major Q / K: SBO 1024 (8 rows of 128 B),
+    // a 16-column step inside an atom +32 B, the next 64-column atom + rows * 128 B; V (MN-major): LBO 8192 (the next
+    // 64 head-dim columns), SBO 1024 (the next 8 keys), a 16-key step +2048 B. Otherwise the core-matrix layout.
+    constexpr uint64_t kSw = SW ? uint64_t(1) << 62 : 0;
+    auto kstep = [](int kk, int rows) -> uint64_t {  // descriptor step (16-byte units) of columns kk .. kk + 15
+      return SW ? uint64_t((kk / 64) * rows * 8 + (kk % 64) / 8) : uint64_t(kk);
+    };
+    if constexpr (SW) {
+      if (base & 1023u) __trap();  // the swizzle atoms need 1024-byte alignment
+    }
+    const uint64_t qd = SW ? wg_desc(base + uint32_t(rbase) * 128u, 16, 1024) | kSw
+                           : wg_desc(base + uint32_t(rbase / 8) * RS, 128, RS);
+    const uint32_t v_lbo = SW ? 8192u : kVLbo, v_sbo = SW ? 1024u : kVSbo;
+    constexpr int kVStep = SW ? 2048 / 16 : 2 * RS / 16;  // descriptor step of 16 keys
     mbar_wait_cta(full_q, 0);
     if constexpr (kWsPingPong) {  // warpgroup 0 goes first
       if (wg == 1) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
@@ -955,16 +991,17 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
 #pragma unroll
       for (int t = 0; t < NT * 4; ++t) s[t] = 0.0f;
       wg_fence();
-      const uint64_t kd = wg_desc(kbuf + uint32_t(ks * C::kv_bytes), 128, RS);
+      const uint64_t kd = SW ? wg_desc(kbuf + uint32_t(ks * C::kv_bytes), 16, 1024) | kSw
+                             : wg_desc(kbuf + uint32_t(ks * C::kv_bytes), 128, RS);
 #pragma unroll
-      for (int kk = 0; kk < D; kk += 16) wg_ss_n64(s, qd + uint64_t(kk), kd + uint64_t(kk));
+      for (int kk = 0; kk < D; kk += 16) wg_ss_n64(s, qd + kstep(kk, BM), kd + kstep(kk, BN));
       wg_commit();
       if (i > 0) {
         const int vs = int((i - 1) & 1);
         mbar_wait_cta(full_v(vs), uint32_t(((i - 1) / 2) & 1));
-        const uint64_t vd = wg_desc(vbuf + uint32_t(vs * C::kv_bytes), kVLbo, kVSbo);
+        const uint64_t vd = wg_desc(vbuf + uint32_t(vs * C::kv_bytes), v_lbo, v_sbo) | kSw;
 #pragma unroll
-        for (int kc = 0; kc < BN / 16; ++kc) wg_rs_n256_t(o, pa[kc], vd + uint64_t(kc * 2 * RS / 16));
+        for (int kc = 0; kc < BN / 16; ++kc) wg_rs_n256_t(o, pa[kc], vd + uint64_t(kc * kVStep));
       }
       wg_commit();
       if constexpr (kWsPingPong) asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - wg) : "memory");  // other's turn
@@ -995,9 +1032,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       const int vs = int((ntiles - 1) & 1);
       mbar_wait_cta(full_v(vs), uint32_t(((ntiles - 1) / 2) & 1));
       wg_fence();
-      const uint64_t vd = wg_desc(vbuf + uint32_t(vs * C::kv_bytes), kVLbo, kVSbo);
+      const uint64_t vd = wg_desc(vbuf + uint32_t(vs * C::kv_bytes), v_lbo, v_sbo) | kSw;
 #pragma unroll
-      for (int kc = 0; kc < BN / 16; ++kc) wg_rs_n256_t(o, pa[kc], vd + uint64_t(kc * 2 * RS / 16));
+      for (int kc = 0; kc < BN / 16; ++kc) wg_rs_n256_t(o, pa[kc], vd + uint64_t(kc * kVStep));
       wg_commit();
       wg_wait<0>();
       reg_fence(o);
@@ -1030,7 +1067,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
     }
   }
 #else
-  static_assert(WsCfg<D, NK>::RS > 0, "");
+  static_assert(WsCfg<D, NK>::RS > 0 && (SW || !SW), "");
 #endif
 }
 
@@ -1063,7 +1100,7 @@ struct WgxCfg {
 // warpgroup's reads of its buffer, done at the named barrier, before the partner's next writes; as CUTLASS's
 // consumer_release): .release.cluster compiles to MEMBAR.ALL.GPU, which waited for the thread's in-flight K/V loads
 // each tile (0.206 -> 0.184 ms at kv 4096 with the stepped descriptors).
-template <int D_, bool XA>
+template <int D_, bool XA, bool SW>
 __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, Split sp) {
 #if defined(DG_ATTN_WGMMA)
   using C = WgxCfg<D_>;
@@ -1110,7 +1147,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
   const uint32_t q_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t kv_base = q_base + uint32_t(C::q_bytes);
   const uint32_t x_local = q_base + uint32_t(C::q_bytes + 4 * C::kv_bytes);
-  const uint64_t qd = wg_desc(q_base + uint32_t(rbase / 8) * RS, 128, RS);  // this warpgroup's 64 rows of Q half
+  // SW: the 128-byte swizzled tiles and descriptors of attention_ws_k (there, SW true).
+  constexpr uint64_t kSw = SW ? uint64_t(1) << 62 : 0;
+  auto kstep = [](int kk, int rows) -> uint64_t { return SW ? uint64_t((kk / 64) * rows * 8 + (kk % 64) / 8) : uint64_t(kk); };
+  if constexpr (SW) {
+    if (q_base & 1023u) __trap();
+  }
+  const uint64_t qd = SW ? wg_desc(q_base + uint32_t(rbase) * 128u, 16, 1024) | kSw
+                         : wg_desc(q_base + uint32_t(rbase / 8) * RS, 128, RS);  // this warpgroup's 64 rows of Q half
   uint32_t x_remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(x_remote) : "r"(x_local), "r"(dp ^ 1u));
   // XA: mbarriers after the exchange buffer: xfull[wg] (the partner's S has landed here), xfree[wg] (the partner is
@@ -1127,21 +1171,25 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   const int colh = int(dp) * DH;  // first head-dim column of this block
-  load_q_tile<DH>(smem, a, D, kvh, g, colh, m0, rows_total, tid);
+  if constexpr (SW) ws_load_q<true, DH, kThreads>(smem, a, D, kvh, g, colh, m0, rows_total, tid);
+  else load_q_tile<DH>(smem, a, D, kvh, g, colh, m0, rows_total, tid);
   const int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
   const int64_t fp_mod = a.first_pos % a.cap;
   auto load_k = [&](int stage, int64_t j0) {
-    load_tile<DH>(KVs + size_t(stage * 2) * C::kv_bytes, a.k_cache, a.k_new, a, D, kvh, colh, j0, je, fp_mod, tid);
+    unsigned char* dst = KVs + size_t(stage * 2) * C::kv_bytes;
+    if constexpr (SW) ws_load_tile<true, DH, kThreads>(dst, a.k_cache, a.k_new, a, D, kvh, colh, j0, je, fp_mod, tid);
+    else load_tile<DH>(dst, a.k_cache, a.k_new, a, D, kvh, colh, j0, je, fp_mod, tid);
   };
   auto load_v = [&](int stage, int64_t j0) {
-    load_tile<DH>(KVs + size_t(stage * 2 + 1) * C::kv_bytes, a.v_cache, a.v_new, a, D, kvh, colh, j0, je, fp_mod,
-                  tid);
+    unsigned char* dst = KVs + size_t(stage * 2 + 1) * C::kv_bytes;
+    if constexpr (SW) ws_load_tile<true, DH, kThreads>(dst, a.v_cache, a.v_new, a, D, kvh, colh, j0, je, fp_mod, tid);
+    else load_tile<DH>(dst, a.v_cache, a.v_new, a, D, kvh, colh, j0, je, fp_mod, tid);
   };
   auto pv = [&](uint32_t v_tile, const uint32_t (&p)[BN / 16][4]) {
-    const uint64_t vd = wg_desc(v_tile, RS, 128);
+    const uint64_t vd = SW ? wg_desc(v_tile, 8192, 1024) | kSw : wg_desc(v_tile, RS, 128);
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc) {
-      const uint64_t db = vd + uint64_t(kc * 2 * RS / 16);
+      const uint64_t db = vd + uint64_t(SW ? kc * 128 : kc * 2 * RS / 16);
       if constexpr (DH == 256) wg_rs_n256_t(o, p[kc], db);
       else wg_rs_n128_t(o, p[kc], db);
     }
@@ -1165,9 +1213,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
 #pragma unroll
     for (int t = 0; t < NT * 4; ++t) s[t] = 0.0f;
     wg_fence();
-    const uint64_t kd = wg_desc(k_tile, 128, RS);
+    const uint64_t kd = SW ? wg_desc(k_tile, 16, 1024) | kSw : wg_desc(k_tile, 128, RS);
 #pragma unroll
-    for (int kk = 0; kk < DH; kk += 16) wg_ss_n64(s, qd + uint64_t(kk), kd + uint64_t(kk));  // + kk * 16 bytes
+    for (int kk = 0; kk < DH; kk += 16) wg_ss_n64(s, qd + kstep(kk, BM), kd + kstep(kk, BN));
     wg_commit();
     if (i > 0) pv(kv_base + uint32_t(((stage ^ 1) * 2 + 1) * C::kv_bytes), pa);
     wg_commit();
@@ -1277,7 +1325,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
     }
   }
 #else
-  static_assert(WgxCfg<D_>::D == D_ && WgxCfg<D_>::RS > 0, "");  // (no wgmma on this target: never picked)
+  static_assert(WgxCfg<D_>::D == D_ && WgxCfg<D_>::RS > 0 && (SW || !SW), "");  // (no wgmma on this target: never picked)
 #endif
 }
 
@@ -1329,10 +1377,12 @@ constexpr bool kWgx256 = false;    // D = 256 through attention_wgx_k (cluster p
 constexpr bool kWg256 = true;      // D = 256 through attention_wg_k (when not the above)
 constexpr bool kWs256 = true;      // D = 256 through attention_ws_k (warp-specialized; before attention_wg_k)
 constexpr int kWsK = 2;            // ... its K stages (2 or 3)
+constexpr bool kWsSw128 = false;   // ... with 128-byte swizzled tiles (else the core-matrix layout)
 constexpr bool kWgx512 = true;     // D = 512 through attention_wgx_k
 constexpr bool kWgxCausal = true;  // ... causal (prefill) launches too
 constexpr int64_t kWgxMinKeys = 0;  // ... when the launch has at least this many keys
 constexpr bool kXAsync = true;         // attention_wgx_k: S exchange by st.async + mbarriers (XA)
+constexpr bool kWgxSw128 = false;      // attention_wgx_k: 128-byte swizzled tiles (as attention_ws_k with kWsSw128)
 template <typename K>
 bool hopper_build_of(K kernel) {
   int dev = 0, major = 0;
@@ -1375,7 +1425,7 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
   using C = Cfg<D>;
   const int rows = a.T * (a.nh / a.nkv);
   if constexpr (D == 512 || D == 256) {
-    constexpr auto kernel = attention_wgx_k<D, kXAsync>;
+    constexpr auto kernel = attention_wgx_k<D, kXAsync, kWgxSw128>;
     static const bool wgx = kWgmma && (D == 512 ? kWgx512 : kWgx256) && [] {
       if (!hopper_build_of(kernel)) return false;
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(WgxCfg<D>::smem)));
@@ -1399,7 +1449,7 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
     }
   }
   if constexpr (D == 256) {
-    constexpr auto wsk = attention_ws_k<256, kWsK>;
+    constexpr auto wsk = attention_ws_k<256, kWsK, kWsSw128>;
     static const bool ws = kWgmma && kWs256 && [] {
       if (!hopper_build_of(wsk)) return false;
       CUDA_CHECK(cudaFuncSetAttribute(wsk, cudaFuncAttributeMaxDynamicSharedMemorySize, int(WsCfg<256, kWsK>::smem)));
