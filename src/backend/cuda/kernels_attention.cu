@@ -768,7 +768,7 @@ constexpr int kWsProdRegs = 40, kWsConsRegs = 232;
 // Ping-pong (FA3): the two consumer warpgroups take turns issuing their wgmmas (S(i) and P(i-1) V(i-1)), through
 // two named barriers (ids 2, 3; 256 threads: the one waiting and the other one arriving), so one's softmax runs while
 // the other's wgmmas occupy the tensor cores.
-constexpr bool kWsPingPong = false;
+constexpr bool kWsPingPong = true;
 template <int D, int NK>
 struct WsCfg {
   static_assert(D == 256, "");
@@ -1377,12 +1377,12 @@ constexpr bool kWgx256 = false;    // D = 256 through attention_wgx_k (cluster p
 constexpr bool kWg256 = true;      // D = 256 through attention_wg_k (when not the above)
 constexpr bool kWs256 = true;      // D = 256 through attention_ws_k (warp-specialized; before attention_wg_k)
 constexpr int kWsK = 2;            // ... its K stages (2 or 3)
-constexpr bool kWsSw128 = false;   // ... with 128-byte swizzled tiles (else the core-matrix layout)
+constexpr bool kWsSw128 = true;   // ... with 128-byte swizzled tiles (else the core-matrix layout)
 constexpr bool kWgx512 = true;     // D = 512 through attention_wgx_k
 constexpr bool kWgxCausal = true;  // ... causal (prefill) launches too
 constexpr int64_t kWgxMinKeys = 0;  // ... when the launch has at least this many keys
 constexpr bool kXAsync = true;         // attention_wgx_k: S exchange by st.async + mbarriers (XA)
-constexpr bool kWgxSw128 = false;      // attention_wgx_k: 128-byte swizzled tiles (as attention_ws_k with kWsSw128)
+constexpr bool kWgxSw128 = true;      // attention_wgx_k: 128-byte swizzled tiles (as attention_ws_k with kWsSw128)
 template <typename K>
 bool hopper_build_of(K kernel) {
   int dev = 0, major = 0;
