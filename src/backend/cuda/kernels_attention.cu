@@ -1,10 +1,13 @@
 // Flash attention on tensor cores, FlashAttention-2 style: rows are (query, head-of-the-group) pairs of one kv head,
-// so the K/V tiles of a kv head serve all its query heads. Three kernels (launch<D> picks):
+// so the K/V tiles of a kv head serve all its query heads. Four kernels (launch<D> picks):
 //   attention_wgx_k<512>  Hopper (sm_90a build loaded), D = 512: a cluster of two blocks per 128-row tile, each with
 //                         half the head dim, wgmma, partial S swapped through distributed shared memory (below).
-//   attention_wg_k<256>   Hopper, D = 256: wgmma (Q, K, V from shared memory, P from registers), 128-row blocks.
+//   attention_ws_k<256>   Hopper, D = 256: attention_wg_k's math, warp-specialized (a loading warpgroup, two computing
+//                         warpgroups; below). The one used at D = 256 on Hopper.
+//   attention_wg_k<256>   Hopper, D = 256: wgmma (Q, K, V from shared memory, P from registers), 128-row blocks
+//                         (kWs256 false).
 //   attention_k<D>        everything else (other GPUs, other head dims): mma.sync m16n8k16, described here.
-// All three: f32 online softmax, P rounded to bf16 for the P.V product (as HF's eager path does), the row sum from the
+// All of them: f32 online softmax, P rounded to bf16 for the P.V product (as HF's eager path does), the row sum from the
 // unrounded f32 p, the same split-KV with a fixed-order combine; bitwise deterministic (results differ from one kernel
 // to another by the tensor cores' summation order, and the wgmma kernels' exp is ex2(s log2 e - m log2 e), kFoldExp).
 //
@@ -21,8 +24,36 @@
 // the thread's in-flight loads, once per tile) and stepped wgmma descriptors -> 0.184 ms.
 // What limits them now (ncu at kv 4096, before the last step): tensor pipe ~18% active, issue slots ~20% busy,
 // ~1170 instructions per warp per 64-key tile, stalls on fixed-latency dependencies and the S wait: two warps per
-// scheduler, both warpgroups in lockstep through one __syncthreads per tile. Next: a producer warp + mbarrier K/V ring
-// so the two consumer warpgroups can ping-pong (needs setmaxnreg: the consumers use ~246 registers).
+// scheduler, both warpgroups in lockstep through one __syncthreads per tile. (The producer warpgroup + mbarrier ring
+// and ping-pong that this pointed to: attention_ws_k, below.)
+//
+// Warp specialization and 128-byte swizzled tiles (wip/attn-ws). ncu of the kernels above (H200, sliding denoise,
+// attention_wg_k, 36.0 us): the loop's cp.async issue and the wait for it held ~33% of the warps' stall samples, the
+// prologue (Q load) 15%, the f32 split-KV stores 12%; every 16-byte cp.async into the core-matrix layout cost 32
+// shared-memory wavefronts instead of 4 (a warp wrote 8 rows x 64 bytes: 66% of all wavefronts were excess; the same in
+// attention_wgx_k). Splitting that launch 2 / 3 / 4 ways (10 / 7 / 5 key tiles a block): 51.1 / 42.0 / 40.4 us, i.e.
+// ~2.1 us a tile and ~30 us fixed (prologue, epilogue, combine, launch). Changes, each measured in one GPU call
+// (attention_bench; "main" = the kernels before, built into the same binary; all variants bitwise equal to main, det
+// and graph replay bitwise, all checks OK):
+//   attention_ws_k (producer warpgroup + mbarrier ring, setmaxnreg), core-matrix layout: sliding 41.2 vs 40.6 us
+//     (nothing), sliding prefill T 4096 0.270 vs 0.302 ms; 3 K stages instead of 2: the same.
+//   kXWaitCta alone (attention_wgx_k's cluster-scope waits compiled to CCTL.IVALL, 15% of its stall samples): full
+//     kv 4096 0.185 vs 0.185 ms (nothing).
+//   128-byte swizzle (kWsSw128, kWgxSw128: a warp's cp.async reads 4 rows x 128 contiguous bytes and writes 4 whole
+//     128-byte rows; excess wavefronts 2.75 M -> 1.8 K): sliding 38.4 us, full kv 512 / 4096 / 32768 40.0 us,
+//     0.141, 0.944 ms (from 50.8 us, 0.186, 1.260), prefill T 4096 sliding 0.238, full 0.984 ms (from 0.302, 1.283).
+//   + ping-pong of the two consumer warpgroups (kWsPingPong): sliding 37.6 us, prefill sliding 0.233 ms.
+// Final (this file as committed, bin C of that call), main -> now, per layer: sliding denoise 40.3 -> 37.6 us; full
+// denoise kv 512 / 4096 / 32768 51.2 -> 39.9 us, 0.186 -> 0.141 ms, 1.257 -> 0.944 ms; prefill T 4096 sliding 0.302
+// -> 0.233 ms, full 1.285 -> 0.982 ms; per denoise step (25 sliding + 5 full) kv 512 / 4096 / 32768 1.264 -> 1.139,
+// 1.937 -> 1.643, 7.291 -> 5.660 ms; prefill 4096-token chunk 13.98 -> 10.73 ms. (ncu: attention_ws_k 31.6 us,
+// attention_wgx_k at kv 4096 135.6 us.) The split-KV combine (~6 us at the sliding shape) is unchanged.
+// What limits attention_ws_k now (ncu, before ping-pong): the consumers wait on the full mbarriers (~21% of samples:
+// Q 5%, K 7%, V 10%) while the producer waits for its own previous load (it signals one load behind, after
+// cp.async.wait_group, so only ~2 loads are in flight). Next: signal with cp.async.mbarrier.arrive.noinc (and the
+// proxy fence on the consumer side) or load by TMA (the swizzled layout is what a SWIZZLE_128B tensor map with a
+// 64-column box writes: one thread, 4 copies a tile), so that the ring runs a full stage ahead; the same producer for
+// attention_wgx_k; the Q load (15% before) off the first tile's critical path.
 // Tried here and dropped: the split-KV merged inside a cluster of the nsplit CTAs through DSMEM (no workspace, no
 // combine launch): bitwise equal to the combine kernel, but the H200 holds only 30 clusters of 4 CTAs with this shared
 // memory (15 of 8), and the denoise grids need 32, so it never applied at model shapes; issuing the V loads after
@@ -570,10 +601,11 @@ __device__ __forceinline__ void wg_rs_n256_t(float (&d)[128], const uint32_t (&a
 #endif
 
 // attention_wgx_k's mbarrier waits: acquire at CTA scope (true), as CUTLASS's ClusterBarrier::wait does for data that
-// the partner's async stores (st.async, complete_tx) bring, or at cluster scope (false: the wait compiled to a
-// CCTL.IVALL, an L1 invalidate that first waited for the thread's in-flight K/V cp.async loads, every tile; ncu at
-// kv 4096: 15% of the warps' stall samples on it).
-constexpr bool kXWaitCta = true;
+// a peer's async stores bring (st.async / TMA multicast, complete_tx) and for remote "empty" arrives, or at cluster
+// scope (false: the wait compiled to a CCTL.IVALL, an L1 invalidate that first waited for the thread's in-flight K/V
+// cp.async loads, every tile; ncu at kv 4096: 15% of the warps' stall samples on it). Alone it changed nothing
+// measurable (kv 4096 0.185 ms either way); it is on in the measured configuration (with kWgxSw128).
+[[maybe_unused]] constexpr bool kXWaitCta = true;
 #if defined(DG_ATTN_WGMMA)
 // Waits for the phase of parity `parity` of a shared-memory mbarrier to complete (see kXWaitCta).
 __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
@@ -755,14 +787,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
 }
 
 // ---- warp-specialized wgmma path (sm_90a), D = 256 ----------------------------------------------------------------
-// attention_ws_k: attention_wg_k's math (same tiles, same pipeline per warpgroup, same softmax, same split), but a
-// block of 3 warpgroups: warpgroup 0 only loads (Q, then K one tile ahead of V, 16-byte cp.async into the same
-// core-matrix layout) and signals "full" mbarriers; warpgroups 1 and 2 (64 rows each) only compute, each on its own
-// (no block barrier in the loop: they drift apart, so one's softmax overlaps the other's wgmmas), and arrive on
-// "empty" mbarriers once their wgmmas have read a stage. setmaxnreg gives the consumers 240 registers and the
-// producer kWsProdRegs. Each producer thread signals a load only after cp.async.wait_group and
-// fence.proxy.async (its own copies landed and are visible to the tensor cores' proxy), one load behind the last one
-// issued. NK K stages (2 or 3; V has 2).
+// attention_ws_k: attention_wg_k's math (same tiles, same pipeline per warpgroup, same softmax, same split: bitwise
+// the same results), but a block of 3 warpgroups: warpgroup 0 only loads (Q, then K one tile ahead of V, 16-byte
+// cp.async) and signals "full" mbarriers; warpgroups 1 and 2 (64 rows each) only compute, each on its own (no block
+// barrier in the loop), and arrive on "empty" mbarriers (one arrive per warp) once their wgmmas have read a stage.
+// setmaxnreg: consumers kWsConsRegs, producer kWsProdRegs (its loads run unrolled 1 so that it does not spill). Each
+// producer thread signals a load only after cp.async.wait_group and fence.proxy.async (its own copies landed and are
+// visible to the tensor cores' proxy), one load behind the last one issued. NK K stages (2 or 3; V has 2). SW: the
+// 128-byte swizzled tiles (ws_rc). Measured: see the file's header.
 constexpr int kWsThreads = 384;
 constexpr int kWsProdRegs = 40, kWsConsRegs = 232;
 // Ping-pong (FA3): the two consumer warpgroups take turns issuing their wgmmas (S(i) and P(i-1) V(i-1)), through
@@ -1370,8 +1402,8 @@ int sm_count() {
   return n;
 }
 
-// Paths: D = 256 -> attention_wg_k, D = 512 -> attention_wgx_k (cluster pairs), where the sm_90a build is the one
-// loaded (Hopper); everything else, and those where it is not, -> attention_k (mma.sync).
+// Paths: D = 256 -> attention_ws_k (or attention_wg_k), D = 512 -> attention_wgx_k (cluster pairs), where the sm_90a
+// build is the one loaded (Hopper); everything else, and those where it is not, -> attention_k (mma.sync).
 constexpr bool kWgmma = true;      // master switch of the wgmma paths
 constexpr bool kWgx256 = false;    // D = 256 through attention_wgx_k (cluster pairs of half-D blocks)
 constexpr bool kWg256 = true;      // D = 256 through attention_wg_k (when not the above)
