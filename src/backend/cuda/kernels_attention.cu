@@ -1,10 +1,13 @@
 // Flash attention on tensor cores, FlashAttention-2 style: rows are (query, head-of-the-group) pairs of one kv head,
-// so the K/V tiles of a kv head serve all its query heads. Three kernels (launch<D> picks):
+// so the K/V tiles of a kv head serve all its query heads. Four kernels (launch<D> picks):
 //   attention_wgx_k<512>  Hopper (sm_90a build loaded), D = 512: a cluster of two blocks per 128-row tile, each with
 //                         half the head dim, wgmma, partial S swapped through distributed shared memory (below).
-//   attention_wg_k<256>   Hopper, D = 256: wgmma (Q, K, V from shared memory, P from registers), 128-row blocks.
+//   attention_ws_k<256>   Hopper, D = 256: attention_wg_k's math, warp-specialized (a loading warpgroup, two computing
+//                         warpgroups; below). The one used at D = 256 on Hopper.
+//   attention_wg_k<256>   Hopper, D = 256: wgmma (Q, K, V from shared memory, P from registers), 128-row blocks
+//                         (kWs256 false).
 //   attention_k<D>        everything else (other GPUs, other head dims): mma.sync m16n8k16, described here.
-// All three: f32 online softmax, P rounded to bf16 for the P.V product (as HF's eager path does), the row sum from the
+// All of them: f32 online softmax, P rounded to bf16 for the P.V product (as HF's eager path does), the row sum from the
 // unrounded f32 p, the same split-KV with a fixed-order combine; bitwise deterministic (results differ from one kernel
 // to another by the tensor cores' summation order, and the wgmma kernels' exp is ex2(s log2 e - m log2 e), kFoldExp).
 //
@@ -21,8 +24,36 @@
 // the thread's in-flight loads, once per tile) and stepped wgmma descriptors -> 0.184 ms.
 // What limits them now (ncu at kv 4096, before the last step): tensor pipe ~18% active, issue slots ~20% busy,
 // ~1170 instructions per warp per 64-key tile, stalls on fixed-latency dependencies and the S wait: two warps per
-// scheduler, both warpgroups in lockstep through one __syncthreads per tile. Next: a producer warp + mbarrier K/V ring
-// so the two consumer warpgroups can ping-pong (needs setmaxnreg: the consumers use ~246 registers).
+// scheduler, both warpgroups in lockstep through one __syncthreads per tile. (The producer warpgroup + mbarrier ring
+// and ping-pong that this pointed to: attention_ws_k, below.)
+//
+// Warp specialization and 128-byte swizzled tiles (wip/attn-ws). ncu of the kernels above (H200, sliding denoise,
+// attention_wg_k, 36.0 us): the loop's cp.async issue and the wait for it held ~33% of the warps' stall samples, the
+// prologue (Q load) 15%, the f32 split-KV stores 12%; every 16-byte cp.async into the core-matrix layout cost 32
+// shared-memory wavefronts instead of 4 (a warp wrote 8 rows x 64 bytes: 66% of all wavefronts were excess; the same in
+// attention_wgx_k). Splitting that launch 2 / 3 / 4 ways (10 / 7 / 5 key tiles a block): 51.1 / 42.0 / 40.4 us, i.e.
+// ~2.1 us a tile and ~30 us fixed (prologue, epilogue, combine, launch). Changes, each measured in one GPU call
+// (attention_bench; "main" = the kernels before, built into the same binary; all variants bitwise equal to main, det
+// and graph replay bitwise, all checks OK):
+//   attention_ws_k (producer warpgroup + mbarrier ring, setmaxnreg), core-matrix layout: sliding 41.2 vs 40.6 us
+//     (nothing), sliding prefill T 4096 0.270 vs 0.302 ms; 3 K stages instead of 2: the same.
+//   kXWaitCta alone (attention_wgx_k's cluster-scope waits compiled to CCTL.IVALL, 15% of its stall samples): full
+//     kv 4096 0.185 vs 0.185 ms (nothing).
+//   128-byte swizzle (kWsSw128, kWgxSw128: a warp's cp.async reads 4 rows x 128 contiguous bytes and writes 4 whole
+//     128-byte rows; excess wavefronts 2.75 M -> 1.8 K): sliding 38.4 us, full kv 512 / 4096 / 32768 40.0 us,
+//     0.141, 0.944 ms (from 50.8 us, 0.186, 1.260), prefill T 4096 sliding 0.238, full 0.984 ms (from 0.302, 1.283).
+//   + ping-pong of the two consumer warpgroups (kWsPingPong): sliding 37.6 us, prefill sliding 0.233 ms.
+// Final (this file as committed, bin C of that call), main -> now, per layer: sliding denoise 40.3 -> 37.6 us; full
+// denoise kv 512 / 4096 / 32768 51.2 -> 39.9 us, 0.186 -> 0.141 ms, 1.257 -> 0.944 ms; prefill T 4096 sliding 0.302
+// -> 0.233 ms, full 1.285 -> 0.982 ms; per denoise step (25 sliding + 5 full) kv 512 / 4096 / 32768 1.264 -> 1.139,
+// 1.937 -> 1.643, 7.291 -> 5.660 ms; prefill 4096-token chunk 13.98 -> 10.73 ms. (ncu: attention_ws_k 31.6 us,
+// attention_wgx_k at kv 4096 135.6 us.) The split-KV combine (~6 us at the sliding shape) is unchanged.
+// What limits attention_ws_k now (ncu, before ping-pong): the consumers wait on the full mbarriers (~21% of samples:
+// Q 5%, K 7%, V 10%) while the producer waits for its own previous load (it signals one load behind, after
+// cp.async.wait_group, so only ~2 loads are in flight). Next: signal with cp.async.mbarrier.arrive.noinc (and the
+// proxy fence on the consumer side) or load by TMA (the swizzled layout is what a SWIZZLE_128B tensor map with a
+// 64-column box writes: one thread, 4 copies a tile), so that the ring runs a full stage ahead; the same producer for
+// attention_wgx_k; the Q load (15% before) off the first tile's critical path.
 // Tried here and dropped: the split-KV merged inside a cluster of the nsplit CTAs through DSMEM (no workspace, no
 // combine launch): bitwise equal to the combine kernel, but the H200 holds only 30 clusters of 4 CTAs with this shared
 // memory (15 of 8), and the denoise grids need 32, so it never applied at model shapes; issuing the V loads after
@@ -569,10 +600,24 @@ __device__ __forceinline__ void wg_rs_n256_t(float (&d)[128], const uint32_t (&a
 }
 #endif
 
+// attention_wgx_k's mbarrier waits: acquire at CTA scope (true), as CUTLASS's ClusterBarrier::wait does for data that
+// a peer's async stores bring (st.async / TMA multicast, complete_tx) and for remote "empty" arrives, or at cluster
+// scope (false: the wait compiled to a CCTL.IVALL, an L1 invalidate that first waited for the thread's in-flight K/V
+// cp.async loads, every tile; ncu at kv 4096: 15% of the warps' stall samples on it). Alone it changed nothing
+// measurable (kv 4096 0.185 ms either way); it is on in the measured configuration (with kWgxSw128).
+[[maybe_unused]] constexpr bool kXWaitCta = true;
 #if defined(DG_ATTN_WGMMA)
-// Waits for the phase of parity `parity` of a shared-memory mbarrier to complete (acquire at cluster scope: the data
-// it guards may have come from the partner CTA).
+// Waits for the phase of parity `parity` of a shared-memory mbarrier to complete (see kXWaitCta).
 __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
+  if constexpr (kXWaitCta) {
+    asm volatile(
+        "{\n.reg .pred P1;\nLAB_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(addr),
+        "r"(parity)
+        : "memory");
+    return;
+  }
   asm volatile(
       "{\n.reg .pred P1;\nLAB_WAIT:\n"
       "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
@@ -741,6 +786,323 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
 #endif
 }
 
+// ---- warp-specialized wgmma path (sm_90a), D = 256 ----------------------------------------------------------------
+// attention_ws_k: attention_wg_k's math (same tiles, same pipeline per warpgroup, same softmax, same split: bitwise
+// the same results), but a block of 3 warpgroups: warpgroup 0 only loads (Q, then K one tile ahead of V, 16-byte
+// cp.async) and signals "full" mbarriers; warpgroups 1 and 2 (64 rows each) only compute, each on its own (no block
+// barrier in the loop), and arrive on "empty" mbarriers (one arrive per warp) once their wgmmas have read a stage.
+// setmaxnreg: consumers kWsConsRegs, producer kWsProdRegs (its loads run unrolled 1 so that it does not spill). Each
+// producer thread signals a load only after cp.async.wait_group and fence.proxy.async (its own copies landed and are
+// visible to the tensor cores' proxy), one load behind the last one issued. NK K stages (2 or 3; V has 2). SW: the
+// 128-byte swizzled tiles (ws_rc). Measured: see the file's header.
+constexpr int kWsThreads = 384;
+constexpr int kWsProdRegs = 40, kWsConsRegs = 232;
+// Ping-pong (FA3): the two consumer warpgroups take turns issuing their wgmmas (S(i) and P(i-1) V(i-1)), through
+// two named barriers (ids 2, 3; 256 threads: the one waiting and the other one arriving), so one's softmax runs while
+// the other's wgmmas occupy the tensor cores.
+constexpr bool kWsPingPong = true;
+template <int D, int NK>
+struct WsCfg {
+  static_assert(D == 256, "");
+  static constexpr int BM = 128, BN = 64, RS = D * 16;
+  static constexpr size_t q_bytes = size_t(BM) * D * 2, kv_bytes = size_t(BN) * D * 2;
+  static constexpr size_t bar_off = q_bytes + size_t(NK + 2) * kv_bytes;
+  static constexpr size_t smem = bar_off + 8 * (2 * NK + 5);
+};
+
+// load_tile / load_q_tile for NTH threads: chunk i = t + NTH k of a ROWS x W tile -> row r, 16-byte column chunk c8,
+// byte offset in shared memory. SW false: load_tile's core-matrix layout and mapping. SW true: the 128-byte swizzle
+// (wgmma's SWIZZLE_128B, K-major): W / 64 atoms of ROWS rows x 128 bytes, chunk c of row r at atom + 128 r +
+// 16 (c ^ (r & 7)); 8 consecutive threads read one row's 128 contiguous bytes and write one 128-byte row.
+template <bool SW, int W, int ROWS>
+__device__ __forceinline__ void ws_rc(int i, int& r, int& c8, int& off) {
+  if constexpr (SW) {
+    const int c = i & 7, at = i / (8 * ROWS);
+    r = (i >> 3) % ROWS, c8 = at * 8 + c;
+    off = at * (ROWS * 128) + r * 128 + ((c ^ (r & 7)) << 4);
+  } else {
+    const int lo = i & 15, hi = i >> 4;
+    r = (hi / (W / 16)) * 8 + (lo & 7), c8 = (hi % (W / 16)) * 2 + (lo >> 3);
+    off = (r >> 3) * (W * 16) + c8 * 128 + (r & 7) * 16;
+  }
+}
+template <bool SW, int W, int NTH>
+__device__ __forceinline__ void ws_load_tile(unsigned char* dst, const bf16* cache, const bf16* fresh,
+                                             const AttentionArgs& a, int D, int kvh, int col0, int64_t j0, int64_t je,
+                                             int64_t fp_mod, int t) {
+  constexpr int kChunks = 64 * W / 8 / NTH;
+  const bf16* tb = nullptr;
+  if (j0 + 64 <= je) {
+    if (j0 + 64 <= a.n_old) {
+      int64_t s0 = fp_mod + j0;
+      if (s0 >= a.cap) s0 -= a.cap;
+      if (s0 + 64 <= a.cap) tb = cache + (size_t(s0) * a.nkv + kvh) * D + col0;
+    } else if (j0 >= a.n_old) {
+      tb = fresh + (size_t(j0 - a.n_old) * a.nkv + kvh) * D + col0;
+    }
+  }
+  if (tb) {
+    const size_t rstride = size_t(a.nkv) * D;
+#pragma unroll(NTH >= 256 ? kChunks : 1)
+    for (int k = 0; k < kChunks; ++k) {
+      int r, c8, off;
+      ws_rc<SW, W, 64>(t + NTH * k, r, c8, off);
+      cp_async16(dst + off, tb + size_t(r) * rstride + c8 * 8, true);
+    }
+    return;
+  }
+#pragma unroll(NTH >= 256 ? kChunks : 1)
+  for (int k = 0; k < kChunks; ++k) {
+    int r, c8, off;
+    ws_rc<SW, W, 64>(t + NTH * k, r, c8, off);
+    const int64_t j = j0 + r;
+    const bool ok = j < je;
+    const bf16* src = fresh;
+    if (ok) {
+      if (j < a.n_old) {
+        int64_t slot = fp_mod + j;
+        while (slot >= a.cap) slot -= a.cap;
+        src = cache + (size_t(slot) * a.nkv + kvh) * D + col0 + c8 * 8;
+      } else {
+        src = fresh + (size_t(j - a.n_old) * a.nkv + kvh) * D + col0 + c8 * 8;
+      }
+    }
+    cp_async16(dst + off, src, ok);
+  }
+}
+template <bool SW, int W, int NTH>
+__device__ __forceinline__ void ws_load_q(unsigned char* dst, const AttentionArgs& a, int D, int kvh, int g,
+                                          int col0, int m0, int rows_total, int t) {
+  constexpr int kChunks = 128 * W / 8 / NTH;
+#pragma unroll(NTH >= 256 ? kChunks : 1)
+  for (int k = 0; k < kChunks; ++k) {
+    int r, c8, off;
+    ws_rc<SW, W, 128>(t + NTH * k, r, c8, off);
+    const int gr = m0 + r;
+    const bool ok = gr < rows_total;
+    const bf16* src = a.q;
+    if (ok) src = a.q + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + col0 + c8 * 8;
+    cp_async16(dst + off, src, ok);
+  }
+}
+
+#if defined(DG_ATTN_WGMMA)
+__device__ __forceinline__ void mbar_init(uint32_t addr, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t addr) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(addr) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_cta(uint32_t addr, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nWS_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra WS_DONE;\nbra WS_WAIT;\nWS_DONE:\n}\n" ::"r"(addr),
+      "r"(parity)
+      : "memory");
+}
+#endif
+
+template <int D, int NK, bool SW>
+__global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a, Split sp) {
+#if defined(DG_ATTN_WGMMA)
+  using C = WsCfg<D, NK>;
+  constexpr int BM = C::BM, BN = C::BN, RS = C::RS, NT = BN / 8, OT = D / 8;
+  constexpr uint32_t kVLbo = RS, kVSbo = 128;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x;
+  const int g = a.nh / a.nkv, kvh = blockIdx.y, split = blockIdx.z;
+  const int rows_total = a.T * g;
+  const int bx = a.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int m0 = bx * BM;
+  const int last_row = min(rows_total, m0 + BM) - 1;
+  const int64_t q_min = a.q_pos0 + m0 / g, q_max = a.q_pos0 + last_row / g;
+  const int64_t nk = a.n_old + a.T_new;
+  int64_t jb = 0, je = nk;
+  if (a.causal) {
+    je = min(nk, q_max - a.first_pos + 1);
+    if (a.window > 0) jb = max(int64_t(0), q_min - a.window + 1 - a.first_pos);
+  }
+  if (sp.nsplit > 1) {
+    const int64_t tiles = je > jb ? (je - jb + BN - 1) / BN : 0;
+    const int64_t tps = (tiles + sp.nsplit - 1) / sp.nsplit;
+    const int64_t s0 = jb + split * tps * BN;
+    je = min(je, s0 + tps * BN);
+    jb = s0;
+  }
+  const int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t kbuf = base + uint32_t(C::q_bytes), vbuf = kbuf + uint32_t(NK * C::kv_bytes);
+  const uint32_t bars = base + uint32_t(C::bar_off);
+  auto full_k = [&](int s) { return bars + 8u * uint32_t(s); };
+  auto empty_k = [&](int s) { return bars + 8u * uint32_t(NK + s); };
+  auto full_v = [&](int s) { return bars + 8u * uint32_t(2 * NK + s); };
+  auto empty_v = [&](int s) { return bars + 8u * uint32_t(2 * NK + 2 + s); };
+  const uint32_t full_q = bars + 8u * uint32_t(2 * NK + 4);
+  if (tid == 0) {
+    for (int s = 0; s < NK; ++s) mbar_init(full_k(s), 128), mbar_init(empty_k(s), 8);
+    for (int s = 0; s < 2; ++s) mbar_init(full_v(s), 128), mbar_init(empty_v(s), 8);
+    mbar_init(full_q, 128);
+  }
+  __syncthreads();
+
+  if (tid < 128) {  // ---- producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProdRegs));
+    const int64_t fp_mod = a.first_pos % a.cap;
+    ws_load_q<SW, D, 128>(smem, a, D, kvh, g, 0, m0, rows_total, tid);
+    cp_async_commit();
+    uint32_t pend = full_q;  // the barrier of the last load issued, signalled after the next one is issued
+    auto signal = [&](uint32_t next) {
+      cp_async_commit();
+      cp_async_wait<1>();
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      mbar_arrive(pend);
+      pend = next;
+    };
+    if (ntiles > 0) {
+      ws_load_tile<SW, D, 128>(smem + C::q_bytes, a.k_cache, a.k_new, a, D, kvh, 0, jb, je, fp_mod, tid);
+      signal(full_k(0));
+    }
+    for (int64_t i = 0; i < ntiles; ++i) {
+      if (i + 1 < ntiles) {
+        const int64_t n = i + 1;
+        const int s = int(n % NK);
+        if (n >= NK) mbar_wait_cta(empty_k(s), uint32_t((n / NK - 1) & 1));
+        ws_load_tile<SW, D, 128>(smem + C::q_bytes + s * C::kv_bytes, a.k_cache, a.k_new, a, D, kvh, 0, jb + n * BN,
+                                 je, fp_mod, tid);
+        signal(full_k(s));
+      }
+      const int s = int(i & 1);
+      if (i >= 2) mbar_wait_cta(empty_v(s), uint32_t((i / 2 - 1) & 1));
+      ws_load_tile<SW, D, 128>(smem + C::q_bytes + (NK + s) * C::kv_bytes, a.v_cache, a.v_new, a, D, kvh, 0,
+                               jb + i * BN, je, fp_mod, tid);
+      signal(full_v(s));
+    }
+    cp_async_wait<0>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    mbar_arrive(pend);
+  } else {  // ---- consumer warpgroups
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsRegs));
+    const int ct = tid - 128, warp = ct >> 5, lane = ct & 31, grp = lane >> 2, tig = lane & 3;
+    const int wg = ct >> 7, wwarp = warp & 3, rbase = wg * 64;
+    int64_t qp[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int gr = min(m0 + rbase + wwarp * 16 + grp + h * 8, rows_total - 1);
+      qp[h] = a.q_pos0 + gr / g;
+    }
+    float o[OT * 4];
+#pragma unroll
+    for (int t = 0; t < OT * 4; ++t) o[t] = 0.0f;
+    float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};
+    // Descriptors. SW: 128-byte swizzle (layout type 1 in bits 62-63), K-major Q / K: SBO 1024 (8 rows of 128 B),
+    // a 16-column step inside an atom +32 B, the next 64-column atom + rows * 128 B; V (MN-major): LBO 8192 (the next
+    // 64 head-dim columns), SBO 1024 (the next 8 keys), a 16-key step +2048 B. Otherwise the core-matrix layout.
+    constexpr uint64_t kSw = SW ? uint64_t(1) << 62 : 0;
+    auto kstep = [](int kk, int rows) -> uint64_t {  // descriptor step (16-byte units) of columns kk .. kk + 15
+      return SW ? uint64_t((kk / 64) * rows * 8 + (kk % 64) / 8) : uint64_t(kk);
+    };
+    if constexpr (SW) {
+      if (base & 1023u) __trap();  // the swizzle atoms need 1024-byte alignment
+    }
+    const uint64_t qd = SW ? wg_desc(base + uint32_t(rbase) * 128u, 16, 1024) | kSw
+                           : wg_desc(base + uint32_t(rbase / 8) * RS, 128, RS);
+    const uint32_t v_lbo = SW ? 8192u : kVLbo, v_sbo = SW ? 1024u : kVSbo;
+    constexpr int kVStep = SW ? 2048 / 16 : 2 * RS / 16;  // descriptor step of 16 keys
+    mbar_wait_cta(full_q, 0);
+    if constexpr (kWsPingPong) {  // warpgroup 0 goes first
+      if (wg == 1) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+    }
+    uint32_t pa[BN / 16][4];
+    for (int64_t i = 0; i < ntiles; ++i) {
+      const int ks = int(i % NK);
+      const int64_t j0 = jb + i * BN;
+      mbar_wait_cta(full_k(ks), uint32_t((i / NK) & 1));
+      if constexpr (kWsPingPong) asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg) : "memory");
+      float s[NT * 4];
+#pragma unroll
+      for (int t = 0; t < NT * 4; ++t) s[t] = 0.0f;
+      wg_fence();
+      const uint64_t kd = SW ? wg_desc(kbuf + uint32_t(ks * C::kv_bytes), 16, 1024) | kSw
+                             : wg_desc(kbuf + uint32_t(ks * C::kv_bytes), 128, RS);
+#pragma unroll
+      for (int kk = 0; kk < D; kk += 16) wg_ss_n64(s, qd + kstep(kk, BM), kd + kstep(kk, BN));
+      wg_commit();
+      if (i > 0) {
+        const int vs = int((i - 1) & 1);
+        mbar_wait_cta(full_v(vs), uint32_t(((i - 1) / 2) & 1));
+        const uint64_t vd = wg_desc(vbuf + uint32_t(vs * C::kv_bytes), v_lbo, v_sbo) | kSw;
+#pragma unroll
+        for (int kc = 0; kc < BN / 16; ++kc) wg_rs_n256_t(o, pa[kc], vd + uint64_t(kc * kVStep));
+      }
+      wg_commit();
+      if constexpr (kWsPingPong) asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - wg) : "memory");  // other's turn
+      wg_wait<1>();
+      reg_fence(s);
+      if (lane == 0) mbar_arrive(empty_k(ks));
+      float alpha[2];
+      mask_softmax<NT>(s, alpha, m_r, l_r, a, j0, je, q_min, q_max, qp, tig);
+      wg_wait<0>();
+      reg_fence(o);
+      if (i > 0 && lane == 0) mbar_arrive(empty_v(int((i - 1) & 1)));
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+        for (int t = 0; t < OT; ++t) {
+          o[t * 4 + 0] *= alpha[0], o[t * 4 + 1] *= alpha[0];
+          o[t * 4 + 2] *= alpha[1], o[t * 4 + 3] *= alpha[1];
+        }
+      }
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pa[kc][r] = pack_bf16(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
+    }
+    if constexpr (kWsPingPong) {  // warpgroup 1's last arrive on barrier 2 (1 + ntiles arrives, ntiles syncs so far)
+      if (wg == 0) asm volatile("bar.sync 2, 256;\n" ::: "memory");
+    }
+    if (ntiles > 0) {
+      const int vs = int((ntiles - 1) & 1);
+      mbar_wait_cta(full_v(vs), uint32_t(((ntiles - 1) / 2) & 1));
+      wg_fence();
+      const uint64_t vd = wg_desc(vbuf + uint32_t(vs * C::kv_bytes), v_lbo, v_sbo) | kSw;
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc) wg_rs_n256_t(o, pa[kc], vd + uint64_t(kc * kVStep));
+      wg_commit();
+      wg_wait<0>();
+      reg_fence(o);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
+      l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int gr = m0 + rbase + wwarp * 16 + grp + h * 8;
+      if (gr >= rows_total) continue;
+      const int col0 = tig * 2;
+      if (sp.nsplit == 1) {
+        const float inv = l_r[h] > 0 ? 1.0f / l_r[h] : 0.0f;
+        bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + col0;
+#pragma unroll
+        for (int t = 0; t < OT; ++t)
+          *reinterpret_cast<__nv_bfloat162*>(dst + t * 8) =
+              __floats2bfloat162_rn(o[t * 4 + 2 * h] * inv, o[t * 4 + 2 * h + 1] * inv);
+      } else {
+        const size_t row = (size_t(split) * a.nkv + kvh) * rows_total + gr;
+        float* dst = sp.ws_o + row * D + col0;
+#pragma unroll
+        for (int t = 0; t < OT; ++t)
+          *reinterpret_cast<float2*>(dst + t * 8) = make_float2(o[t * 4 + 2 * h], o[t * 4 + 2 * h + 1]);
+        if (tig == 0) *reinterpret_cast<float2*>(sp.ws_ml + row * 2) = make_float2(m_r[h], l_r[h]);
+      }
+    }
+  }
+#else
+  static_assert(WsCfg<D, NK>::RS > 0 && (SW || !SW), "");
+#endif
+}
+
 // ---- D = 512 as two half-D blocks (a cluster of 2) -----------------------------------------------------------------
 // A 64-row D = 512 block (attention_k, or wgmma with 2 warpgroups on half D each) is bound by L2 -> SM traffic: O of
 // 64 rows x 512 f32 fills half the register file, so a block holds only 64 rows and each K/V byte is re-read for every
@@ -770,7 +1132,7 @@ struct WgxCfg {
 // warpgroup's reads of its buffer, done at the named barrier, before the partner's next writes; as CUTLASS's
 // consumer_release): .release.cluster compiles to MEMBAR.ALL.GPU, which waited for the thread's in-flight K/V loads
 // each tile (0.206 -> 0.184 ms at kv 4096 with the stepped descriptors).
-template <int D_, bool XA>
+template <int D_, bool XA, bool SW>
 __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, Split sp) {
 #if defined(DG_ATTN_WGMMA)
   using C = WgxCfg<D_>;
@@ -817,7 +1179,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
   const uint32_t q_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t kv_base = q_base + uint32_t(C::q_bytes);
   const uint32_t x_local = q_base + uint32_t(C::q_bytes + 4 * C::kv_bytes);
-  const uint64_t qd = wg_desc(q_base + uint32_t(rbase / 8) * RS, 128, RS);  // this warpgroup's 64 rows of Q half
+  // SW: the 128-byte swizzled tiles and descriptors of attention_ws_k (there, SW true).
+  constexpr uint64_t kSw = SW ? uint64_t(1) << 62 : 0;
+  auto kstep = [](int kk, int rows) -> uint64_t { return SW ? uint64_t((kk / 64) * rows * 8 + (kk % 64) / 8) : uint64_t(kk); };
+  if constexpr (SW) {
+    if (q_base & 1023u) __trap();
+  }
+  const uint64_t qd = SW ? wg_desc(q_base + uint32_t(rbase) * 128u, 16, 1024) | kSw
+                         : wg_desc(q_base + uint32_t(rbase / 8) * RS, 128, RS);  // this warpgroup's 64 rows of Q half
   uint32_t x_remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(x_remote) : "r"(x_local), "r"(dp ^ 1u));
   // XA: mbarriers after the exchange buffer: xfull[wg] (the partner's S has landed here), xfree[wg] (the partner is
@@ -834,21 +1203,25 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   const int colh = int(dp) * DH;  // first head-dim column of this block
-  load_q_tile<DH>(smem, a, D, kvh, g, colh, m0, rows_total, tid);
+  if constexpr (SW) ws_load_q<true, DH, kThreads>(smem, a, D, kvh, g, colh, m0, rows_total, tid);
+  else load_q_tile<DH>(smem, a, D, kvh, g, colh, m0, rows_total, tid);
   const int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
   const int64_t fp_mod = a.first_pos % a.cap;
   auto load_k = [&](int stage, int64_t j0) {
-    load_tile<DH>(KVs + size_t(stage * 2) * C::kv_bytes, a.k_cache, a.k_new, a, D, kvh, colh, j0, je, fp_mod, tid);
+    unsigned char* dst = KVs + size_t(stage * 2) * C::kv_bytes;
+    if constexpr (SW) ws_load_tile<true, DH, kThreads>(dst, a.k_cache, a.k_new, a, D, kvh, colh, j0, je, fp_mod, tid);
+    else load_tile<DH>(dst, a.k_cache, a.k_new, a, D, kvh, colh, j0, je, fp_mod, tid);
   };
   auto load_v = [&](int stage, int64_t j0) {
-    load_tile<DH>(KVs + size_t(stage * 2 + 1) * C::kv_bytes, a.v_cache, a.v_new, a, D, kvh, colh, j0, je, fp_mod,
-                  tid);
+    unsigned char* dst = KVs + size_t(stage * 2 + 1) * C::kv_bytes;
+    if constexpr (SW) ws_load_tile<true, DH, kThreads>(dst, a.v_cache, a.v_new, a, D, kvh, colh, j0, je, fp_mod, tid);
+    else load_tile<DH>(dst, a.v_cache, a.v_new, a, D, kvh, colh, j0, je, fp_mod, tid);
   };
   auto pv = [&](uint32_t v_tile, const uint32_t (&p)[BN / 16][4]) {
-    const uint64_t vd = wg_desc(v_tile, RS, 128);
+    const uint64_t vd = SW ? wg_desc(v_tile, 8192, 1024) | kSw : wg_desc(v_tile, RS, 128);
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc) {
-      const uint64_t db = vd + uint64_t(kc * 2 * RS / 16);
+      const uint64_t db = vd + uint64_t(SW ? kc * 128 : kc * 2 * RS / 16);
       if constexpr (DH == 256) wg_rs_n256_t(o, p[kc], db);
       else wg_rs_n128_t(o, p[kc], db);
     }
@@ -872,9 +1245,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
 #pragma unroll
     for (int t = 0; t < NT * 4; ++t) s[t] = 0.0f;
     wg_fence();
-    const uint64_t kd = wg_desc(k_tile, 128, RS);
+    const uint64_t kd = SW ? wg_desc(k_tile, 16, 1024) | kSw : wg_desc(k_tile, 128, RS);
 #pragma unroll
-    for (int kk = 0; kk < DH; kk += 16) wg_ss_n64(s, qd + uint64_t(kk), kd + uint64_t(kk));  // + kk * 16 bytes
+    for (int kk = 0; kk < DH; kk += 16) wg_ss_n64(s, qd + kstep(kk, BM), kd + kstep(kk, BN));
     wg_commit();
     if (i > 0) pv(kv_base + uint32_t(((stage ^ 1) * 2 + 1) * C::kv_bytes), pa);
     wg_commit();
@@ -984,7 +1357,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
     }
   }
 #else
-  static_assert(WgxCfg<D_>::D == D_ && WgxCfg<D_>::RS > 0, "");  // (no wgmma on this target: never picked)
+  static_assert(WgxCfg<D_>::D == D_ && WgxCfg<D_>::RS > 0 && (SW || !SW), "");  // (no wgmma on this target: never picked)
 #endif
 }
 
@@ -1029,15 +1402,19 @@ int sm_count() {
   return n;
 }
 
-// Paths: D = 256 -> attention_wg_k, D = 512 -> attention_wgx_k (cluster pairs), where the sm_90a build is the one
-// loaded (Hopper); everything else, and those where it is not, -> attention_k (mma.sync).
+// Paths: D = 256 -> attention_ws_k (or attention_wg_k), D = 512 -> attention_wgx_k (cluster pairs), where the sm_90a
+// build is the one loaded (Hopper); everything else, and those where it is not, -> attention_k (mma.sync).
 constexpr bool kWgmma = true;      // master switch of the wgmma paths
 constexpr bool kWgx256 = false;    // D = 256 through attention_wgx_k (cluster pairs of half-D blocks)
 constexpr bool kWg256 = true;      // D = 256 through attention_wg_k (when not the above)
+constexpr bool kWs256 = true;      // D = 256 through attention_ws_k (warp-specialized; before attention_wg_k)
+constexpr int kWsK = 2;            // ... its K stages (2 or 3)
+constexpr bool kWsSw128 = true;   // ... with 128-byte swizzled tiles (else the core-matrix layout)
 constexpr bool kWgx512 = true;     // D = 512 through attention_wgx_k
 constexpr bool kWgxCausal = true;  // ... causal (prefill) launches too
 constexpr int64_t kWgxMinKeys = 0;  // ... when the launch has at least this many keys
 constexpr bool kXAsync = true;         // attention_wgx_k: S exchange by st.async + mbarriers (XA)
+constexpr bool kWgxSw128 = true;      // attention_wgx_k: 128-byte swizzled tiles (as attention_ws_k with kWsSw128)
 template <typename K>
 bool hopper_build_of(K kernel) {
   int dev = 0, major = 0;
@@ -1080,7 +1457,7 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
   using C = Cfg<D>;
   const int rows = a.T * (a.nh / a.nkv);
   if constexpr (D == 512 || D == 256) {
-    constexpr auto kernel = attention_wgx_k<D, kXAsync>;
+    constexpr auto kernel = attention_wgx_k<D, kXAsync, kWgxSw128>;
     static const bool wgx = kWgmma && (D == 512 ? kWgx512 : kWgx256) && [] {
       if (!hopper_build_of(kernel)) return false;
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(WgxCfg<D>::smem)));
@@ -1100,6 +1477,22 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
       cfg.attrs = at, cfg.numAttrs = 1;
       CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, sp));
+      return combine(a, sp, s);
+    }
+  }
+  if constexpr (D == 256) {
+    constexpr auto wsk = attention_ws_k<256, kWsK, kWsSw128>;
+    static const bool ws = kWgmma && kWs256 && [] {
+      if (!hopper_build_of(wsk)) return false;
+      CUDA_CHECK(cudaFuncSetAttribute(wsk, cudaFuncAttributeMaxDynamicSharedMemorySize, int(WsCfg<256, kWsK>::smem)));
+      return true;
+    }();
+    if (ws) {
+      using W = WsCfg<256, kWsK>;
+      const int row_tiles = (rows + W::BM - 1) / W::BM;
+      const Split sp = pick_split(a, row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
+      wsk<<<dim3(row_tiles, a.nkv, sp.nsplit), kWsThreads, W::smem, s>>>(a, sp);
+      CUDA_CHECK_LAUNCH();
       return combine(a, sp, s);
     }
   }
