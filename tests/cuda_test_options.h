@@ -1,7 +1,7 @@
 #pragma once
 // CudaOptions for the GPU parity tests. DIFFGEMMA_TEST_GROUPED_EXPERTS=1 runs them with CudaOptions::padded_experts
-// off (the grouped expert kernels on canvas passes too), DIFFGEMMA_TEST_CUBLAS_ROUTER=1 with
-// CudaOptions::fused_router off (cuBLASLt router GEMM + route_top_k + moe_assign), so every path stays covered.
+// off (the grouped expert kernels on canvas passes too), DIFFGEMMA_TEST_FUSED_ROUTER=1 with
+// CudaOptions::fused_router on (router_top_k_assign), so every path stays covered.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -15,10 +15,10 @@ inline dg::CudaOptions cuda_test_options() {
   };
   dg::CudaOptions o;
   o.padded_experts = !flag("DIFFGEMMA_TEST_GROUPED_EXPERTS");
-  o.fused_router = !flag("DIFFGEMMA_TEST_CUBLAS_ROUTER");
+  o.fused_router = flag("DIFFGEMMA_TEST_FUSED_ROUTER");
   static const bool said = [&] {
     if (!o.padded_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::padded_experts off (grouped experts)\n");
-    if (!o.fused_router) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_router off (cuBLASLt router)\n");
+    if (o.fused_router) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_router on\n");
     return true;
   }();
   (void)said;

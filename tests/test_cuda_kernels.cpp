@@ -380,7 +380,8 @@ TEST(CudaKernels, RouterTopKAssignFused) {
 // moe_combine_ffn = the expert combine (ascending expert id) followed by the FFN output norms and residual.
 TEST(CudaKernels, MoeCombineFfn) {
   REQUIRE_GPU();
-  for (auto [T, k, H, P] : {std::tuple{7, 3, 203, 40}, std::tuple{9, 5, 1000, 50}, std::tuple{33, 8, 2816, 300}}) {
+  for (auto [T, k, H, P] : {std::tuple{7, 3, 203, 40}, std::tuple{9, 5, 1000, 50}, std::tuple{33, 8, 2816, 300},
+                               std::tuple{5, 8, 4000, 60}}) {
     const float eps = 1e-6f, scalar = 0.6f;
     auto y = rnd(size_t(P) * H, -3, 3), wts = rnd(size_t(T) * k, 0.1f, 1.0f), h = rnd(size_t(T) * H, -4, 4);
     auto m1 = rnd(size_t(T) * H, -2, 2), w1 = rnd(size_t(H), 0.5f, 1.5f), w2 = rnd(size_t(H), 0.5f, 1.5f);

@@ -32,7 +32,7 @@ struct BenchArgs {
   int reps = 10;
   std::string contexts = "512,4096,32768", prefills = "4096,32768";
   bool json = false, breakdown = false, no_graphs = false, grouped_experts = false, tune_gemm = false;
-  bool no_overlap = false, cublas_router = false;
+  bool no_overlap = false, fused_router = false;
   int dense_mlp_sms = 0;
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -111,7 +111,7 @@ int run_bench(const BenchArgs& args) {
   opt.cuda_graphs = !no_graphs;
   opt.padded_experts = !args.grouped_experts;
   opt.overlap_dense_mlp = !args.no_overlap;
-  opt.fused_router = !args.cublas_router;
+  opt.fused_router = args.fused_router;
   opt.dense_mlp_sms = args.dense_mlp_sms;
   CudaScStats sc_stats;
   opt.sc_sparse = args.sc_sparse;
@@ -144,7 +144,7 @@ int run_bench(const BenchArgs& args) {
   out["cuda_graphs"] = !no_graphs;
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = args.dense_mlp_sms;
-  out["router"] = args.cublas_router ? "cuBLASLt f32 GEMM + top-k + assign" : "fused (one launch)";
+  out["router"] = args.fused_router ? "fused (one launch)" : "cuBLASLt f32 GEMM + top-k + assign";
   out["experts"] = args.grouped_experts ? "grouped kernels" : "padded strided-batched cuBLASLt";
   out["sc"] = args.sc_sparse ? "sparse survivors (exact fallback per step)" : "exact (probs @ E GEMM)";
 
@@ -319,9 +319,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                     "many survivors or drops > 1e-3 mass (CudaOptions::sc_sparse)");
                        sub.add_flag("--no-overlap", a->no_overlap,
                                     "A/B: the dense MLP on the main stream (CudaOptions::overlap_dense_mlp = false)");
-                       sub.add_flag("--cublas-router", a->cublas_router,
-                                    "A/B: the router as cuBLASLt's f32 GEMM, route_top_k and moe_assign "
-                                    "(CudaOptions::fused_router = false)");
+                       sub.add_flag("--fused-router", a->fused_router,
+                                    "A/B: the router GEMM, top-k and expert assignment in one launch "
+                                    "(CudaOptions::fused_router)");
                        sub.add_option("--dense-mlp-sms", a->dense_mlp_sms,
                                       "plan the concurrent dense MLP's GEMMs for this many SMs (0: all)")
                            ->check(CLI::NonNegativeNumber);

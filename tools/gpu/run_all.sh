@@ -41,11 +41,11 @@ if [ "${FULLSHAPE:-1}" = 1 ]; then
     --gtest_filter='CudaFullShape.*' >"$OUT/fullshape.log" 2>&1
   f_rc="$? (fixture script rc $g_rc)"
 fi
-# CUBLAS_ROUTER=1: the parity tests again with CudaOptions::fused_router off (A/B of the router paths' numerics).
+# FUSED_ROUTER=1: the parity tests again with CudaOptions::fused_router on (router_top_k_assign).
 cr_rc=skipped
-if [ "${CUBLAS_ROUTER:-0}" = 1 ]; then
-  DIFFGEMMA_TEST_CUBLAS_ROUTER=1 LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*' \
-    >"$OUT/parity_cublas_router.log" 2>&1
+if [ "${FUSED_ROUTER:-0}" = 1 ]; then
+  DIFFGEMMA_TEST_FUSED_ROUTER=1 LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*' \
+    >"$OUT/parity_fused_router.log" 2>&1
   cr_rc=$?
 fi
 # GROUPED=1: the parity and full-shape tests again with CudaOptions::padded_experts off (the grouped expert kernels
@@ -70,7 +70,7 @@ fi
 LD_LIBRARY_PATH="$LIBS" timeout 400 "$DIST/diffgemma" bench --json ${BENCH_ARGS:-} >"$OUT/bench.json" 2>"$OUT/bench.log"
 b_rc=$?
 # AB_ARGS: A/B benches after the main one, ';'-separated flag sets, each with AB_COMMON (default: the 4K step and
-# prefill only), e.g. AB_ARGS="--cublas-router;--no-overlap" -> bench_ab1.json, bench_ab2.json, in the summary.
+# prefill only), e.g. AB_ARGS="--fused-router;--no-overlap" -> bench_ab1.json, bench_ab2.json, in the summary.
 ab_i=0
 IFS=';' read -ra ab_sets <<<"${AB_ARGS:-}"
 for ab in "${ab_sets[@]}"; do
@@ -92,8 +92,8 @@ fi
   echo "== parity (rc $p_rc)"; grep -E '^\[parity\]|^\[  (FAILED|  OK|SKIPPED) \]' "$OUT/parity.log"
   grep -E '^\[trace\].*(logits|stage  0)' "$OUT/parity.log" | head -80
   grep -B2 -A6 'Failure' "$OUT/parity.log" | head -60
-  echo "== parity with the cuBLASLt router (rc $cr_rc)"
-  [ -f "$OUT/parity_cublas_router.log" ] && grep -E '^\[parity\]|^\[  (FAILED|  OK) \]' "$OUT/parity_cublas_router.log"
+  echo "== parity with the fused router (rc $cr_rc)"
+  [ -f "$OUT/parity_fused_router.log" ] && grep -E '^\[parity\]|^\[  (FAILED|  OK) \]' "$OUT/parity_fused_router.log"
   echo "== full shape vs HF (rc $f_rc)"
   [ -f "$OUT/fullshape_fixture.log" ] && grep -E 'FAIL|WARN|agree|cosine|Error' "$OUT/fullshape_fixture.log" | tail -12
   [ -f "$OUT/fullshape.log" ] && grep -E '^\[fullshape\]|^\[  (FAILED|  OK|SKIPPED) \]|Failure' "$OUT/fullshape.log"

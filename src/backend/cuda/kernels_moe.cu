@@ -307,6 +307,28 @@ __global__ void moe_gelu_mul_padded_k(const float* gu, int E, int M, int I, cons
   }
 }
 
+// The same over float4 quads of gate and up (I % 4 == 0): blockIdx.x = expert, blockIdx.y strides its valid rows,
+// several quads in flight per thread. The scalar kernel above spent ~13 us a layer at the 4K step (H200 profile):
+// one element per thread, a block per (row, 256 columns), half of them padding rows that exit at once.
+constexpr int kGeluQuadThreads = 256, kGeluRowSplit = 2;
+__global__ void __launch_bounds__(kGeluQuadThreads) moe_gelu_mul_padded_quad_k(const float* gu, int M, int I,
+                                                                                const int32_t* valid, bf16* act) {
+  const int e = blockIdx.x, rows = valid[e], I4 = I / 4;
+  const int n = ((rows - int(blockIdx.y) + kGeluRowSplit - 1) / kGeluRowSplit) * I4;  // quads of this block
+#pragma unroll 4
+  for (int q = threadIdx.x; q < n; q += kGeluQuadThreads) {
+    const int r = e * M + int(blockIdx.y) + (q / I4) * kGeluRowSplit, c = q % I4;
+    const float4 g = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * I)[c];
+    const float4 u = reinterpret_cast<const float4*>(gu + size_t(r) * 2 * I + I)[c];
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(gelu_tanh(g.x) * u.x, gelu_tanh(g.y) * u.y);
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(gelu_tanh(g.z) * u.z, gelu_tanh(g.w) * u.w);
+    uint2 o;
+    o.x = *reinterpret_cast<const uint32_t*>(&lo);
+    o.y = *reinterpret_cast<const uint32_t*>(&hi);
+    reinterpret_cast<uint2*>(act + size_t(r) * I)[c] = o;
+  }
+}
+
 __global__ void moe_gather_k(const int32_t* sorted_pos, int k, const uint4* x, int hvec, uint4* xs) {
   const int pair = blockIdx.x, t = pair / k;
   const size_t dst = size_t(sorted_pos[pair]) * hvec;
@@ -384,8 +406,10 @@ __global__ void moe_combine_ffn_k(const float* y, const int32_t* idx, const floa
 
 // The same with the row in registers and the k expert rows of one 16-byte chunk loaded before they are summed
 // (the scalar loop above waits on one 4-byte load per expert and element: ~30 us per layer at T = 256).
-constexpr int kCombineThreads = 256;
-template <int NV, int KMAX>
+// kCombineThreads threads cover NV chunks each; moe_combine_ffn runs rows of up to 1024 chunks (H <= 4096) with 768 or
+// 1024 threads and one chunk each, so a thread's k expert loads are its only round trip (256 threads x 3 chunks took
+// 15 us a layer at the 4K step, H200 profile).
+template <int NV, int KMAX, int kCombineThreads>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
     int H, const float* w1, const float* w2, const float* wn, float eps, float scalar, const float* w_next,
@@ -537,6 +561,12 @@ void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, in
 
 void moe_gelu_mul_padded(const float* gu, int E, int M, int I, const int32_t* meta, bf16* act, cudaStream_t s) {
   if (E == 0 || M == 0) return;
+  if (I % 4 == 0 && E <= 65535) {
+    moe_gelu_mul_padded_quad_k<<<dim3(unsigned(E), kGeluRowSplit), kGeluQuadThreads, 0, s>>>(gu, M, I, meta + 1 + E,
+                                                                                             act);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
   const dim3 grid(unsigned((I + 255) / 256), unsigned(std::min(E * M, 65535)));
   moe_gelu_mul_padded_k<<<grid, 256, 0, s>>>(gu, E, M, I, meta + 1 + E, act);
   CUDA_CHECK_LAUNCH();
@@ -555,13 +585,10 @@ void moe_combine_ffn(const float* y, const int32_t* idx, const float* w, const i
   if (T == 0) return;
   if (k > kMaxTopK) throw_cuda_error("moe_combine_ffn", "top-k above 32", 0, __FILE__, __LINE__);
   if (x_next && !w_next) throw_cuda_error("moe_combine_ffn", "x_next needs w_next", 0, __FILE__, __LINE__);
-  const int nv = H % 4 == 0 ? (H / 4 + kCombineThreads - 1) / kCombineThreads : 0;
-  if (k <= 8 && nv >= 1 && nv <= 3) {
-    auto* kern = nv == 1   ? moe_combine_ffn_vec_k<1, 8>
-                 : nv == 2 ? moe_combine_ffn_vec_k<2, 8>
-                           : moe_combine_ffn_vec_k<3, 8>;
-    kern<<<T, kCombineThreads, 0, s>>>(y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post, eps, scalar, w_next,
-                                       x_next);
+  if (k <= 8 && H % 4 == 0 && H / 4 <= 1024) {
+    auto* kern = H / 4 <= 768 ? moe_combine_ffn_vec_k<1, 8, 768> : moe_combine_ffn_vec_k<1, 8, 1024>;
+    kern<<<T, H / 4 <= 768 ? 768 : 1024, 0, s>>>(y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post, eps, scalar,
+                                                 w_next, x_next);
     CUDA_CHECK_LAUNCH();
     return;
   }
