@@ -19,6 +19,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_device.h"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/pdl.h"
 #include "diffusion/generate.h"
 #include "model/weights.h"
 #endif
@@ -32,7 +33,7 @@ struct BenchArgs {
   int reps = 10;
   std::string contexts = "512,4096,32768", prefills = "4096,32768";
   bool json = false, breakdown = false, no_graphs = false, grouped_experts = false, tune_gemm = false;
-  bool no_overlap = false, fused_router = false;
+  bool no_overlap = false, fused_router = false, no_pdl = false;
   int dense_mlp_sms = 0;
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -98,6 +99,7 @@ int run_bench(const BenchArgs& args) {
   const bool no_graphs = args.no_graphs || args.tune_gemm;
   const std::vector<int> contexts = parse_sizes(args.contexts), prefills = parse_sizes(args.prefills);
   cuda::set_gemm_tuning(args.tune_gemm);
+  cuda::set_pdl(!args.no_pdl);
   auto info = cuda::query_device(0);
   if (!info.available) fail("bench needs a CUDA GPU: {}", info.reason);
   int max_ctx = 0;
@@ -144,6 +146,7 @@ int run_bench(const BenchArgs& args) {
   out["cuda_graphs"] = !no_graphs;
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = args.dense_mlp_sms;
+  out["pdl"] = !args.no_pdl;
   out["router"] = args.fused_router ? "fused (one launch)" : "cuBLASLt f32 GEMM + top-k + assign";
   out["experts"] = args.grouped_experts ? "grouped kernels" : "padded strided-batched cuBLASLt";
   out["sc"] = args.sc_sparse ? "sparse survivors (exact fallback per step)" : "exact (probs @ E GEMM)";
@@ -319,6 +322,8 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                     "many survivors or drops > 1e-3 mass (CudaOptions::sc_sparse)");
                        sub.add_flag("--no-overlap", a->no_overlap,
                                     "A/B: the dense MLP on the main stream (CudaOptions::overlap_dense_mlp = false)");
+                       sub.add_flag("--no-pdl", a->no_pdl,
+                                    "A/B: launch without programmatic dependent launch (src/backend/cuda/launch.cuh)");
                        sub.add_flag("--fused-router", a->fused_router,
                                     "A/B: the router GEMM, top-k and expert assignment in one launch "
                                     "(CudaOptions::fused_router)");

@@ -97,6 +97,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/launch.cuh"
 #include "backend/cuda/cuda_util.cuh"
 
 namespace dg::cuda {
@@ -634,6 +635,8 @@ __device__ __forceinline__ void cluster_sync_all() {
 
 template <int D>
 __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, Split sp) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
 #if defined(DG_ATTN_WGMMA)
   using C = WgCfg<D>;
   constexpr int BM = C::BM, BN = C::BN, RS = C::RS, NT = BN / 8, OT = D / 8;
@@ -796,11 +799,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
 // visible to the tensor cores' proxy), one load behind the last one issued. NK K stages (2 or 3; V has 2). SW: the
 // 128-byte swizzled tiles (ws_rc). Measured: see the file's header.
 constexpr int kWsThreads = 384;
-constexpr int kWsProdRegs = 40, kWsConsRegs = 232;
+[[maybe_unused]] constexpr int kWsProdRegs = 40, kWsConsRegs = 232;
 // Ping-pong (FA3): the two consumer warpgroups take turns issuing their wgmmas (S(i) and P(i-1) V(i-1)), through
 // two named barriers (ids 2, 3; 256 threads: the one waiting and the other one arriving), so one's softmax runs while
 // the other's wgmmas occupy the tensor cores.
-constexpr bool kWsPingPong = true;
+[[maybe_unused]] constexpr bool kWsPingPong = true;
 template <int D, int NK>
 struct WsCfg {
   static_assert(D == 256, "");
@@ -905,6 +908,8 @@ __device__ __forceinline__ void mbar_wait_cta(uint32_t addr, uint32_t parity) {
 
 template <int D, int NK, bool SW>
 __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a, Split sp) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
 #if defined(DG_ATTN_WGMMA)
   using C = WsCfg<D, NK>;
   constexpr int BM = C::BM, BN = C::BN, RS = C::RS, NT = BN / 8, OT = D / 8;
@@ -1134,6 +1139,8 @@ struct WgxCfg {
 // each tile (0.206 -> 0.184 ms at kv 4096 with the stepped descriptors).
 template <int D_, bool XA, bool SW>
 __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, Split sp) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
 #if defined(DG_ATTN_WGMMA)
   using C = WgxCfg<D_>;
   constexpr int D = C::D, DH = C::DH, BM = C::BM, BN = C::BN, RS = C::RS, NT = BN / 8, OT = DH / 8;
@@ -1363,6 +1370,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
 
 // Merges the nsplit partial results of each row in split order: one warp per (kv head, row).
 __global__ void attention_combine_k(AttentionArgs a, Split sp) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   const int g = a.nh / a.nkv, rows_total = a.T * g, D = a.D;
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -1448,7 +1457,7 @@ Split pick_split(const AttentionArgs& a, int base, int64_t tiles, int D) {
 void combine(const AttentionArgs& a, const Split& sp, cudaStream_t s) {
   if (sp.nsplit <= 1) return;
   const int64_t nrows = int64_t(a.nkv) * a.T * (a.nh / a.nkv);
-  attention_combine_k<<<unsigned((nrows + 7) / 8), 256, 0, s>>>(a, sp);
+  launch_pdl(attention_combine_k, dim3(unsigned((nrows + 7) / 8)), dim3(256), 0, s, a, sp);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -1472,10 +1481,12 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       cfg.blockDim = dim3(kThreads);
       cfg.dynamicSmemBytes = W::smem;
       cfg.stream = s;
-      cudaLaunchAttribute at[1];
+      cudaLaunchAttribute at[2];
       at[0].id = cudaLaunchAttributeClusterDimension;
       at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
-      cfg.attrs = at, cfg.numAttrs = 1;
+      at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // launch.cuh
+      at[1].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = at, cfg.numAttrs = pdl_enabled() ? 2 : 1;
       CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, sp));
       return combine(a, sp, s);
     }
@@ -1491,7 +1502,7 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       using W = WsCfg<256, kWsK>;
       const int row_tiles = (rows + W::BM - 1) / W::BM;
       const Split sp = pick_split(a, row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
-      wsk<<<dim3(row_tiles, a.nkv, sp.nsplit), kWsThreads, W::smem, s>>>(a, sp);
+      launch_pdl(wsk, dim3(dim3(row_tiles, a.nkv, sp.nsplit)), dim3(kWsThreads), W::smem, s, a, sp);
       CUDA_CHECK_LAUNCH();
       return combine(a, sp, s);
     }
@@ -1507,7 +1518,7 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       using W = WgCfg<256>;
       const int row_tiles = (rows + W::BM - 1) / W::BM;
       const Split sp = pick_split(a, row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
-      attention_wg_k<256><<<dim3(row_tiles, a.nkv, sp.nsplit), kThreads, W::smem, s>>>(a, sp);
+      launch_pdl(attention_wg_k<256>, dim3(dim3(row_tiles, a.nkv, sp.nsplit)), dim3(kThreads), W::smem, s, a, sp);
       CUDA_CHECK_LAUNCH();
       return combine(a, sp, s);
     }

@@ -29,6 +29,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/launch.cuh"
 #include "backend/cuda/cuda_util.cuh"
 
 namespace dg::cuda {
@@ -56,6 +57,8 @@ template <bool GATED>
 __global__ void __launch_bounds__(kGemmThreads, 2) moe_tiled_k(const bf16* X, const int32_t* offsets, const bf16* W,
                                                               int N, int K, bf16* act, float* y,
                                                               const int32_t* expert_list) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   extern __shared__ __align__(128) unsigned char smem[];
   float* Cs = reinterpret_cast<float*>(smem);  // epilogue only: aliases the drained stages
   const int tid = threadIdx.x, warp = tid >> 5;
@@ -413,7 +416,7 @@ void moe_gate_up(const bf16* xs, const int32_t* offsets, int E, int P, const bf1
   // One block column per expert, or a few walking the expert list.
   const dim3 grid((I + GN / 2 - 1) / (GN / 2), expert_list ? std::min(E, kListBlocksY) : E);
   raise_smem_limit<true>();
-  moe_tiled_k<true><<<grid, kGemmThreads, kMoeSmem, s>>>(xs, offsets, Wgu, I, H, act, nullptr, expert_list);
+  launch_pdl(moe_tiled_k<true>, dim3(grid), dim3(kGemmThreads), kMoeSmem, s, xs, offsets, Wgu, I, H, act, nullptr, expert_list);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -427,7 +430,7 @@ void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16*
   }
   const dim3 grid((H + GN - 1) / GN, expert_list ? std::min(E, kListBlocksY) : E);
   raise_smem_limit<false>();
-  moe_tiled_k<false><<<grid, kGemmThreads, kMoeSmem, s>>>(act, offsets, Wd, H, I, nullptr, y, expert_list);
+  launch_pdl(moe_tiled_k<false>, dim3(grid), dim3(kGemmThreads), kMoeSmem, s, act, offsets, Wd, H, I, nullptr, y, expert_list);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -5,6 +5,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/launch.cuh"
 #include "backend/cuda/cuda_util.cuh"
 
 namespace dg::cuda {
@@ -119,6 +120,8 @@ __device__ void warp_top_k(float (&l)[PL], ExpertOf eid, int E, int k, const flo
 constexpr int kPerLane = 8;
 __global__ void route_top_k_warp_k(const float* logits, int T, int E, int k, const float* pes, int32_t* idx,
                                    float* w) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   const int lane = threadIdx.x & 31, t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (t >= T) return;
   const float* l = logits + size_t(t) * E;
@@ -175,6 +178,8 @@ __device__ void assign_pairs(const int32_t* idx, int P, int E, int M, int32_t* o
 
 __global__ void moe_assign_k(const int32_t* idx, int P, int E, int M, int32_t* ovf, int32_t* sorted_pos,
                              int32_t* meta) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   extern __shared__ int cnt[];  // [E] counts, then cursors
   assign_pairs(idx, P, E, M, ovf, sorted_pos, meta, cnt);
 }
@@ -313,6 +318,8 @@ __global__ void moe_gelu_mul_padded_k(const float* gu, int E, int M, int I, cons
 constexpr int kGeluQuadThreads = 256, kGeluRowSplit = 2;
 __global__ void __launch_bounds__(kGeluQuadThreads) moe_gelu_mul_padded_quad_k(const float* gu, int M, int I,
                                                                                 const int32_t* valid, bf16* act) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   const int e = blockIdx.x, rows = valid[e], I4 = I / 4;
   const int n = ((rows - int(blockIdx.y) + kGeluRowSplit - 1) / kGeluRowSplit) * I4;  // quads of this block
 #pragma unroll 4
@@ -330,6 +337,8 @@ __global__ void __launch_bounds__(kGeluQuadThreads) moe_gelu_mul_padded_quad_k(c
 }
 
 __global__ void moe_gather_k(const int32_t* sorted_pos, int k, const uint4* x, int hvec, uint4* xs) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   const int pair = blockIdx.x, t = pair / k;
   const size_t dst = size_t(sorted_pos[pair]) * hvec;
   for (int i = threadIdx.x; i < hvec; i += blockDim.x) xs[dst + i] = x[size_t(t) * hvec + i];
@@ -414,6 +423,8 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
     int H, const float* w1, const float* w2, const float* wn, float eps, float scalar, const float* w_next,
     bf16* x_next) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   __shared__ int src_row[KMAX];
   __shared__ float src_w[KMAX];
   const int t = blockIdx.x, H4 = H / 4;
@@ -506,7 +517,7 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
     throw_cuda_error("route_top_k", "unsupported expert count / top-k", 0, __FILE__, __LINE__);
   if (E <= 32 * kPerLane && k <= 32) {
     constexpr int kWarps = 8;
-    route_top_k_warp_k<<<(T + kWarps - 1) / kWarps, 32 * kWarps, 0, s>>>(logits, T, E, k, per_expert_scale, idx, w);
+    launch_pdl(route_top_k_warp_k, dim3((T + kWarps - 1) / kWarps), dim3(32 * kWarps), 0, s, logits, T, E, k, per_expert_scale, idx, w);
   } else {
     int threads = E >= 1024 ? 1024 : (E + 31) / 32 * 32;
     route_top_k_k<<<T, threads, size_t(E) * sizeof(float), s>>>(logits, E, k, per_expert_scale, idx, w);
@@ -517,14 +528,14 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
 void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int M, int32_t* ovf_offsets,
                       int32_t* sorted_pos, bf16* xs, cudaStream_t s, int32_t* meta) {
   const int P = T * k;
-  moe_assign_k<<<1, 1024, size_t(E) * sizeof(int), s>>>(idx, P, E, M, ovf_offsets, sorted_pos, M > 0 ? meta : nullptr);
+  launch_pdl(moe_assign_k, dim3(1), dim3(1024), size_t(E) * sizeof(int), s, idx, P, E, M, ovf_offsets, sorted_pos, M > 0 ? meta : nullptr);
   CUDA_CHECK_LAUNCH();
   moe_gather(sorted_pos, T, k, x, H, xs, s);
 }
 
 void moe_gather(const int32_t* sorted_pos, int T, int k, const bf16* x, int H, bf16* xs, cudaStream_t s) {
   if (T * k == 0) return;
-  moe_gather_k<<<T * k, 128, 0, s>>>(sorted_pos, k, reinterpret_cast<const uint4*>(x), H / 8,
+  launch_pdl(moe_gather_k, dim3(T * k), dim3(128), 0, s, sorted_pos, k, reinterpret_cast<const uint4*>(x), H / 8,
                                      reinterpret_cast<uint4*>(xs));
   CUDA_CHECK_LAUNCH();
 }
@@ -562,7 +573,7 @@ void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, in
 void moe_gelu_mul_padded(const float* gu, int E, int M, int I, const int32_t* meta, bf16* act, cudaStream_t s) {
   if (E == 0 || M == 0) return;
   if (I % 4 == 0 && E <= 65535) {
-    moe_gelu_mul_padded_quad_k<<<dim3(unsigned(E), kGeluRowSplit), kGeluQuadThreads, 0, s>>>(gu, M, I, meta + 1 + E,
+    launch_pdl(moe_gelu_mul_padded_quad_k, dim3(dim3(unsigned(E), kGeluRowSplit)), dim3(kGeluQuadThreads), 0, s, gu, M, I, meta + 1 + E,
                                                                                              act);
     CUDA_CHECK_LAUNCH();
     return;
@@ -587,8 +598,8 @@ void moe_combine_ffn(const float* y, const int32_t* idx, const float* w, const i
   if (x_next && !w_next) throw_cuda_error("moe_combine_ffn", "x_next needs w_next", 0, __FILE__, __LINE__);
   if (k <= 8 && H % 4 == 0 && H / 4 <= 1024) {
     auto* kern = H / 4 <= 768 ? moe_combine_ffn_vec_k<1, 8, 768> : moe_combine_ffn_vec_k<1, 8, 1024>;
-    kern<<<T, H / 4 <= 768 ? 768 : 1024, 0, s>>>(y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post, eps, scalar,
-                                                 w_next, x_next);
+    launch_pdl(kern, dim3(T), dim3(H / 4 <= 768 ? 768 : 1024), 0, s, y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
+               eps, scalar, w_next, x_next);
     CUDA_CHECK_LAUNCH();
     return;
   }

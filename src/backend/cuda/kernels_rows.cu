@@ -6,6 +6,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/launch.cuh"
 #include "backend/cuda/cuda_util.cuh"
 
 namespace dg::cuda {
@@ -142,6 +143,8 @@ __device__ __forceinline__ float4 mul4(float4 a, float s, float4 w) {
 
 template <int NV, class Out>
 __global__ void __launch_bounds__(kVecThreads) rms_norm_vec_k(const float* x, int n, const float* w, float eps, Out* y) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   const int n4 = n / 4;
   const RowVec<NV> r = load_f32<NV>(x + size_t(blockIdx.x) * n, n4);
   const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
@@ -211,6 +214,8 @@ __global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float*
                                                                           const float* w_post, const float* w_pre,
                                                                           const float* w_pre2, const float* rs,
                                                                           float eps, bf16* x1, bf16* xe, float* xr) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   const int n4 = n / 4;
   const size_t off = size_t(blockIdx.x) * n;
   const RowVec<NV> ra = load_bf16<NV>(a + off, n4);
@@ -241,6 +246,8 @@ int row_vec_nv(int n) {
 // act = bf16(gelu_tanh(gate) * up), gate/up as bf16 (dense MLP; the padded experts' f32 variant is
 // moe_gelu_mul_padded in kernels_moe.cu)
 __global__ void gelu_mul_k(const bf16* gu, int rows, int I, bf16* act) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   for (int r = blockIdx.y; r < rows; r += gridDim.y)
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < I; i += gridDim.x * blockDim.x) {
       const float g = __bfloat162float(gu[size_t(r) * 2 * I + i]), u = __bfloat162float(gu[size_t(r) * 2 * I + I + i]);
@@ -257,6 +264,8 @@ __global__ void add_bf16_to_f32_k(float* h, const bf16* a, size_t n) {
 __global__ void qkv_norm_rope_k(const bf16* qkv, int nh, int nkv, int D, bool v_from_k, const float* qw,
                                 const float* kw, const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k,
                                 bf16* v) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   const int t = blockIdx.x, lane = threadIdx.x & 31;
   const int n_rows = nh + 2 * nkv;
   const int width = (nh + (v_from_k ? 1 : 2) * nkv) * D;
@@ -385,6 +394,8 @@ __device__ __forceinline__ void block_sum2(double& a, double& b) {
 template <bool kVec>
 __global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int V, int tiles, float cap,
                                                               float temperature, RowPartial* part) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   const int tile = blockIdx.x, r = blockIdx.y;
   float* row = logits + size_t(r) * V;
   const int base = tile * kRsTile;
@@ -437,6 +448,8 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int
 
 // One warp per row; stats[r] from the row's tile partials in a fixed order.
 __global__ void rowstats_merge_k(const RowPartial* part, int rows, int tiles, DeviceRowStats* stats) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (r >= rows) return;
   const RowPartial* p = part + size_t(r) * tiles;
@@ -473,6 +486,8 @@ template <bool kVec>
 __global__ void __launch_bounds__(kRsThreads) rowstats_probs_k(const float* logits, int rows, int V, int tiles,
                                                                float temperature, const DeviceRowStats* stats,
                                                                bf16* probs) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   const int tile = tiles - 1 - int(blockIdx.x), r = rows - 1 - int(blockIdx.y);  // reverse: L2-resident tiles first
   const float* row = logits + size_t(r) * V;
   bf16* out = probs + size_t(r) * V;
@@ -556,10 +571,10 @@ void embed_scale(const int32_t* ids, int T, const bf16* E, int H, float scale, f
 void rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* w, float eps, bf16* y, cudaStream_t s) {
   if (rows == 0) return;
   switch (row_vec_nv(n)) {
-    case 1: rms_norm_vec_k<1, bf16><<<rows, kVecThreads, 0, s>>>(x, n, w, eps, y); break;
-    case 2: rms_norm_vec_k<2, bf16><<<rows, kVecThreads, 0, s>>>(x, n, w, eps, y); break;
-    case 3: rms_norm_vec_k<3, bf16><<<rows, kVecThreads, 0, s>>>(x, n, w, eps, y); break;
-    case 4: rms_norm_vec_k<4, bf16><<<rows, kVecThreads, 0, s>>>(x, n, w, eps, y); break;
+    case 1: launch_pdl(rms_norm_vec_k<1, bf16>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
+    case 2: launch_pdl(rms_norm_vec_k<2, bf16>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
+    case 3: launch_pdl(rms_norm_vec_k<3, bf16>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
+    case 4: launch_pdl(rms_norm_vec_k<4, bf16>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
     default: rms_norm_k<bf16><<<rows, kRowThreads, 0, s>>>(x, n, w, eps, y);
   }
   CUDA_CHECK_LAUNCH();
@@ -567,10 +582,10 @@ void rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* w, float
 void rms_norm_f32_to_f32(const float* x, int rows, int n, const float* w, float eps, float* y, cudaStream_t s) {
   if (rows == 0) return;
   switch (row_vec_nv(n)) {
-    case 1: rms_norm_vec_k<1, float><<<rows, kVecThreads, 0, s>>>(x, n, w, eps, y); break;
-    case 2: rms_norm_vec_k<2, float><<<rows, kVecThreads, 0, s>>>(x, n, w, eps, y); break;
-    case 3: rms_norm_vec_k<3, float><<<rows, kVecThreads, 0, s>>>(x, n, w, eps, y); break;
-    case 4: rms_norm_vec_k<4, float><<<rows, kVecThreads, 0, s>>>(x, n, w, eps, y); break;
+    case 1: launch_pdl(rms_norm_vec_k<1, float>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
+    case 2: launch_pdl(rms_norm_vec_k<2, float>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
+    case 3: launch_pdl(rms_norm_vec_k<3, float>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
+    case 4: launch_pdl(rms_norm_vec_k<4, float>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
     default: rms_norm_k<float><<<rows, kRowThreads, 0, s>>>(x, n, w, eps, y);
   }
   CUDA_CHECK_LAUNCH();
@@ -612,7 +627,7 @@ void add_rms_norm_pre_ffn(float* h, const bf16* a, int rows, int n, const float*
                : nv == 2 ? add_rms_norm_pre_ffn_vec_k<2>
                : nv == 3 ? add_rms_norm_pre_ffn_vec_k<3>
                          : add_rms_norm_pre_ffn_vec_k<4>;
-  kern<<<rows, kVecThreads, 0, s>>>(h, a, n, w_post, w_pre, w_pre2, router_scale, eps, x1, xe, xr);
+  launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, h, a, n, w_post, w_pre, w_pre2, router_scale, eps, x1, xe, xr);
   CUDA_CHECK_LAUNCH();
 }
 void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, const float* w1, const float* w2,
@@ -624,7 +639,7 @@ void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, con
 void gelu_mul(const bf16* gu, int rows, int I, bf16* act, cudaStream_t s) {
   if (rows == 0) return;
   dim3 grid(unsigned((I + 255) / 256), unsigned(rows < 65535 ? rows : 65535));
-  gelu_mul_k<<<grid, 256, 0, s>>>(gu, rows, I, act);
+  launch_pdl(gelu_mul_k, dim3(grid), dim3(256), 0, s, gu, rows, I, act);
   CUDA_CHECK_LAUNCH();
 }
 void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s) {
@@ -636,7 +651,7 @@ void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k
                    const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k, bf16* v, cudaStream_t s) {
   if (T == 0) return;
   int rows = nh + 2 * nkv, warps = rows < 8 ? rows : 8;
-  qkv_norm_rope_k<<<T, 32 * warps, size_t(D) * sizeof(float), s>>>(qkv, nh, nkv, D, v_from_k, qw, kw, inv_freq, pos0,
+  launch_pdl(qkv_norm_rope_k, dim3(T), dim3(32 * warps), size_t(D) * sizeof(float), s, qkv, nh, nkv, D, v_from_k, qw, kw, inv_freq, pos0,
                                                                    eps, q, k, v);
   CUDA_CHECK_LAUNCH();
 }
@@ -671,17 +686,17 @@ void softcap_row_stats(float* logits, int rows, int V, float softcap, float temp
   const bool vec = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
                    (!probs || reinterpret_cast<uintptr_t>(probs) % 8 == 0);
   if (vec)
-    rowstats_tile_k<true><<<grid, kRsThreads, 0, s>>>(logits, V, tiles, softcap, temperature, part);
+    launch_pdl(rowstats_tile_k<true>, dim3(grid), dim3(kRsThreads), 0, s, logits, V, tiles, softcap, temperature, part);
   else
-    rowstats_tile_k<false><<<grid, kRsThreads, 0, s>>>(logits, V, tiles, softcap, temperature, part);
+    launch_pdl(rowstats_tile_k<false>, dim3(grid), dim3(kRsThreads), 0, s, logits, V, tiles, softcap, temperature, part);
   CUDA_CHECK_LAUNCH();
-  rowstats_merge_k<<<(rows + 7) / 8, 256, 0, s>>>(part, rows, tiles, stats);
+  launch_pdl(rowstats_merge_k, dim3((rows + 7) / 8), dim3(256), 0, s, part, rows, tiles, stats);
   CUDA_CHECK_LAUNCH();
   if (probs) {
     if (vec)
-      rowstats_probs_k<true><<<grid, kRsThreads, 0, s>>>(logits, rows, V, tiles, temperature, stats, probs);
+      launch_pdl(rowstats_probs_k<true>, dim3(grid), dim3(kRsThreads), 0, s, logits, rows, V, tiles, temperature, stats, probs);
     else
-      rowstats_probs_k<false><<<grid, kRsThreads, 0, s>>>(logits, rows, V, tiles, temperature, stats, probs);
+      launch_pdl(rowstats_probs_k<false>, dim3(grid), dim3(kRsThreads), 0, s, logits, rows, V, tiles, temperature, stats, probs);
     CUDA_CHECK_LAUNCH();
   }
 }
