@@ -305,7 +305,7 @@ TEST(CudaKernels, RouterTopKAssignFused) {
   REQUIRE_GPU();
   const size_t max_t = 300, max_h = 2816;
   Dev<float> partial(router_partial_floats(int(max_t), int(max_h)) + 1024 * 128);
-  Dev<unsigned> counters(router_counter_slots(int(max_t)));
+  Dev<unsigned> counters(kRouterCounterSlots);
   CUDA_CHECK(cudaMemset(counters.p, 0, counters.n * sizeof(unsigned)));
   for (auto [T, E, k, H] : {std::tuple{256, 128, 8, 2816}, std::tuple{37, 6, 2, 40}, std::tuple{300, 128, 8, 2816},
                             std::tuple{1, 128, 8, 2816}, std::tuple{65, 100, 7, 1004}, std::tuple{256, 128, 8, 2816}}) {

@@ -318,7 +318,7 @@ class CudaBackend final : public Backend {
            double(need) / (1 << 30), opt.max_context, double(free_b) / (1 << 30), double(total_b) / (1 << 30));
     CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
     layout(arena_);
-    CUDA_CHECK(cudaMemset(s_.router_counters, 0, cuda::router_counter_slots(cfg_.canvas_length) * sizeof(unsigned)));
+    CUDA_CHECK(cudaMemset(s_.router_counters, 0, cuda::kRouterCounterSlots * sizeof(unsigned)));
     gemm_ = std::make_unique<cuda::Gemm>();
     // its own workspace: runs concurrently with gemm_
     gemm_side_ = std::make_unique<cuda::Gemm>(size_t(64) << 20, opt_.dense_mlp_sms);
@@ -756,7 +756,7 @@ class CudaBackend final : public Backend {
     s_.xr = ar.take<float>(Tm * H);
     s_.rl = ar.take<float>(Tm * E);
     s_.router_partial = ar.take<float>(cuda::router_partial_floats(int(Lc), int(H)));
-    s_.router_counters = ar.take<unsigned>(cuda::router_counter_slots(int(Lc)));
+    s_.router_counters = ar.take<unsigned>(cuda::kRouterCounterSlots);
     s_.wk = ar.take<float>(Tm * K);
     // expert rows: T k grouped, or E M padded + Lc k overflow for canvas-sized passes (moe_group_padded)
     const size_t pad_rows = E * size_t(cuda::moe_padded_rows_per_expert(int(Lc), int(K), int(E))) + Lc * K;

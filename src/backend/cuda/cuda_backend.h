@@ -55,11 +55,10 @@ struct CudaOptions {
   // (cuBLASLt's Hopper kernels otherwise take every SM and the two branches serialize).
   bool overlap_dense_mlp = true;
   int dense_mlp_sms = 0;
-  // Canvas-sized passes with padded experts route in one launch (router_top_k_assign: f32 router GEMM, top-k and
-  // the padded assignment) instead of cuBLASLt's split-K GEMM + its reduce + route_top_k + moe_assign. Off: on the
-  // H200 (docs/BENCHMARKS.md 2026-11-30 session 4) it takes 41-43 us a layer where the five launches take ~39, and
-  // the 4K step was 18.76 vs 18.68 ms; its serial tail (the top-k of 32 tokens per finishing block, then the
-  // assignment in one block) outweighs the launches it saves. A/B: bench --fused-router.
+  // Canvas-sized passes with padded experts route in two launches (router_top_k_assign: the f32 router GEMM's split
+  // partials, then top-k and the padded assignment) instead of cuBLASLt's split-K GEMM + its reduce + route_top_k +
+  // moe_assign. A/B: bench --fused-router. (A one-launch version measured 41-43 us a layer against ~39 for the five
+  // launches, docs/BENCHMARKS.md 2026-11-30 session 4.)
   bool fused_router = false;
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
   // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)

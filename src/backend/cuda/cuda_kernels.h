@@ -128,11 +128,12 @@ void attention(const AttentionArgs& a, cudaStream_t s);
 // times per_expert_scale. idx/w: [T, k].
 void route_top_k(const float* logits, int T, int E, int k, const float* per_expert_scale, int32_t* idx, float* w,
                  cudaStream_t s);
-// The router of a canvas-sized pass in one launch, replacing the f32 GEMM + route_top_k + moe_group_padded's assign:
-// logits [T, E] = x [T, H] . W [E, H]^T in f32 (split over H; the splits added in split order), route_top_k's rules
-// on them (idx, w), then moe_group_padded's assignment (ovf_offsets, sorted_pos, meta) for padding M. The gather is
-// moe_gather. partial: router_partial_floats(T, H) floats; counters: router_counter_slots(T) zeroed unsigneds,
-// left zeroed (two concurrent calls must not share them). Deterministic: fixed summation orders.
+// The router of a canvas-sized pass in two launches, replacing the f32 GEMM + its split-K reduce + route_top_k +
+// moe_group_padded's assign: logits [T, E] = x [T, H] . W [E, H]^T in f32 (split over H; the splits added in split
+// order), route_top_k's rules on them (idx, w), then moe_group_padded's assignment (ovf_offsets, sorted_pos, meta)
+// for padding M. The gather is moe_gather. partial: router_partial_floats(T, H) floats; counters:
+// kRouterCounterSlots zeroed unsigneds, left zeroed (two concurrent calls must not share them). Deterministic:
+// fixed summation orders.
 struct RouterArgs {
   const float* x;
   const float* W;
@@ -151,7 +152,7 @@ struct RouterSplit {
 };
 RouterSplit router_split(int T, int H);
 size_t router_partial_floats(int T, int H);
-inline size_t router_counter_slots(int T) { return size_t((T + 31) / 32) + 1; }
+constexpr size_t kRouterCounterSlots = 1;  // router_route_k's arrival counter
 bool router_fused_supported(int E, int H, int k);
 void router_top_k_assign(const float* x, int T, int H, const float* W, int E, int k, const float* per_expert_scale,
                          int M, float* partial, unsigned* counters, float* logits, int32_t* idx, float* w,

@@ -135,7 +135,7 @@ __global__ void route_top_k_warp_k(const float* logits, int T, int E, int k, con
 // the rest ("overflow") to rows from ovf[e] = E M + (overflow of the experts before e); ovf[E] = end of the overflow
 // rows. M = 0 is the plain grouping: ovf is then the exclusive prefix of the counts (moe_group's offsets).
 // meta (M > 0, may be null): see moe_group_padded. cnt: E ints of shared memory. idx is read through L2 (__ldcg):
-// router_fused_k's last block assigns pairs that other blocks of the same launch wrote.
+// router_route_k's last block assigns pairs that other blocks of the same launch wrote.
 __device__ void assign_pairs(const int32_t* idx, int P, int E, int M, int32_t* ovf, int32_t* sorted_pos,
                              int32_t* meta, int* cnt) {
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
@@ -184,50 +184,61 @@ __global__ void moe_assign_k(const int32_t* idx, int P, int E, int M, int32_t* o
   assign_pairs(idx, P, E, M, ovf, sorted_pos, meta, cnt);
 }
 
-// ---- the router of canvas-sized passes in one launch (router_top_k_assign) ----
-// Phase 1, every block: the partial logits of kRtTok tokens x all experts over one k-split, f32 FMAs in ascending k
-// (register-prefetched kRtKc-deep slices through shared memory, 4 tokens x 4 experts per thread).
-// Phase 2, the last block of each token tile to finish (an arrival counter): the split partials added in split
-// order, the logits written, and each warp's tokens routed (warp_top_k).
-// Phase 3, the last token tile to finish: assign_pairs over all T k pairs.
-// Fixed summation orders everywhere, so the results do not depend on which block finishes last. Phase 2 issues a
-// token's loads of all splits before adding them (a loop that waits on each L2 load in turn took ~20 us).
-constexpr int kRtTok = 32, kRtExp = 128, kRtKc = 32, kRtThreads = 256, kRtMaxSplits = 16;
-static_assert(kRtTok == 32, "router_counter_slots (cuda_kernels.h) assumes 32-token tiles");
+// ---- the router of canvas-sized passes (router_top_k_assign): two launches instead of five ----
+// router_partials_k: the partial logits of kRtTok tokens x all experts over one k-split, f32 FMAs in ascending k
+// (register-prefetched kRtKc-deep slices through shared memory; 8 tokens x 4 experts per thread, so a warp reads
+// each weight slice once per 8 tokens), written to partial[split][t][0..128).
+// router_route_k: one warp per token adds the split partials in split order, writes the logits and routes the token
+// (warp_top_k); the last block to finish (an arrival counter) assigns every pair (assign_pairs).
+// Fixed summation orders, so the results do not depend on which block finishes last.
+// Measured before (H200, session 4): the same work as ONE launch, where the last split-block of each token tile
+// routed its 32 tokens and the last of those assigned, took 41-43 us a layer (the serial tail dominated); cuBLASLt's
+// split-K SIMT GEMM + its reduce + route_top_k + moe_assign took ~39.
+constexpr int kRtTok = 32, kRtExp = 128, kRtKc = 32, kRtThreads = 128, kRtMaxSplits = 16;
 constexpr int kRtXs = kRtTok + 4, kRtWs = kRtExp + 4;  // padded smem rows (float4-aligned, fewer bank conflicts)
+constexpr int kRouteWarps = 8;
 
-__global__ void __launch_bounds__(kRtThreads) router_fused_k(RouterArgs a) {
+__global__ void __launch_bounds__(kRtThreads) router_partials_k(RouterArgs a) {
   __shared__ __align__(16) float xs[2][kRtKc][kRtXs];
   __shared__ __align__(16) float ws[2][kRtKc][kRtWs];
-  __shared__ int cnt[kRtExp];
-  __shared__ unsigned arrival;
-  const int tid = threadIdx.x, tt = blockIdx.x, split = blockIdx.y, t0 = tt * kRtTok;
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
+  const int tid = threadIdx.x, t0 = blockIdx.x * kRtTok, split = blockIdx.y;
   const int k0 = split * a.kc, k1 = min(a.H, k0 + a.kc);
-  // loader roles: a slice is 32 tokens x 32 k (one float4 per thread) and 128 experts x 32 k (four)
-  const int lr = tid >> 3, lc = (tid & 7) * 4;
-  float4 px, pw[4];
+  // loader roles: a slice is 32 tokens x 32 k (two float4 per thread) and 128 experts x 32 k (eight)
+  const int lr = tid >> 3, lc = (tid & 7) * 4;  // rows lr + 16 j
+  float4 px[2], pw[8];
   auto fetch = [&](int kb) {
-    const int kk = kb + lc, t = t0 + lr;
-    px = t < a.T && kk < k1 ? __ldg(reinterpret_cast<const float4*>(a.x + size_t(t) * a.H + kk))
-                            : make_float4(0, 0, 0, 0);
+    const int kk = kb + lc;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int e = lr + 32 * j;
+    for (int j = 0; j < 2; ++j) {
+      const int t = t0 + lr + 16 * j;
+      px[j] = t < a.T && kk < k1 ? __ldg(reinterpret_cast<const float4*>(a.x + size_t(t) * a.H + kk))
+                                 : make_float4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int e = lr + 16 * j;
       pw[j] = e < a.E && kk < k1 ? __ldg(reinterpret_cast<const float4*>(a.W + size_t(e) * a.H + kk))
                                  : make_float4(0, 0, 0, 0);
     }
   };
   auto stash = [&](int buf) {
-    xs[buf][lc + 0][lr] = px.x, xs[buf][lc + 1][lr] = px.y, xs[buf][lc + 2][lr] = px.z, xs[buf][lc + 3][lr] = px.w;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int e = lr + 32 * j;
+    for (int j = 0; j < 2; ++j) {
+      const int r = lr + 16 * j;
+      xs[buf][lc + 0][r] = px[j].x, xs[buf][lc + 1][r] = px[j].y, xs[buf][lc + 2][r] = px[j].z;
+      xs[buf][lc + 3][r] = px[j].w;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int e = lr + 16 * j;
       ws[buf][lc + 0][e] = pw[j].x, ws[buf][lc + 1][e] = pw[j].y, ws[buf][lc + 2][e] = pw[j].z;
       ws[buf][lc + 3][e] = pw[j].w;
     }
   };
-  const int tx = tid & 31, ty = tid >> 5;  // experts tx*4 .. +3, tokens ty*4 .. +3
-  float acc[4][4] = {};
+  const int tx = tid & 31, ty = tid >> 5;  // experts tx*4 .. +3, tokens ty*8 .. +7
+  float acc[8][4] = {};
   int buf = 0;
   if (k0 < k1) {
     fetch(k0);
@@ -238,13 +249,14 @@ __global__ void __launch_bounds__(kRtThreads) router_fused_k(RouterArgs a) {
       if (more) fetch(kb + kRtKc);  // in flight while this slice is multiplied
 #pragma unroll
       for (int kk = 0; kk < kRtKc; ++kk) {
-        const float4 xv = *reinterpret_cast<const float4*>(&xs[buf][kk][ty * 4]);
+        const float4 xa = *reinterpret_cast<const float4*>(&xs[buf][kk][ty * 8]);
+        const float4 xb = *reinterpret_cast<const float4*>(&xs[buf][kk][ty * 8 + 4]);
         const float4 wv = *reinterpret_cast<const float4*>(&ws[buf][kk][tx * 4]);
-        const float xa[4] = {xv.x, xv.y, xv.z, xv.w}, wa[4] = {wv.x, wv.y, wv.z, wv.w};
+        const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w}, wa[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < 8; ++i)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(xa[i], wa[j], acc[i][j]);
+          for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(xv[i], wa[j], acc[i][j]);
       }
       if (more) {
         stash(buf ^ 1);  // the other buffer: last read before the previous barrier
@@ -253,51 +265,45 @@ __global__ void __launch_bounds__(kRtThreads) router_fused_k(RouterArgs a) {
       }
     }
   }
-  // partial[split][t][0..kRtExp): the whole padded row, so phase 2 reads float4s
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int t = t0 + ty * 4 + i;
+  for (int i = 0; i < 8; ++i) {
+    const int t = t0 + ty * 8 + i;
     if (t < a.T)
-      __stcg(reinterpret_cast<float4*>(a.partial + (size_t(split) * a.T + t) * kRtExp + tx * 4),
-             make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+      reinterpret_cast<float4*>(a.partial + (size_t(split) * a.T + t) * kRtExp)[tx] =
+          make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
   }
+}
 
-  // ---- phase 2: the last split of this token tile ----
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) arrival = atomicAdd(a.counters + tt, 1u);
-  __syncthreads();
-  if (arrival != unsigned(gridDim.y) - 1) return;
-  __threadfence();
-  if (tid == 0) a.counters[tt] = 0;  // every split of this tile has arrived: ready for the next launch
-  const int ns = int(gridDim.y);
-  for (int i = 0; i < 4; ++i) {
-    const int t = t0 + ty * 4 + i;
-    if (t >= a.T) break;  // warp-uniform
+__global__ void __launch_bounds__(32 * kRouteWarps) router_route_k(RouterArgs a, int splits) {
+  __shared__ int cnt[kRtExp];
+  __shared__ unsigned arrival;
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
+  const int lane = threadIdx.x & 31, t = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
+  if (t < a.T) {
     float4 v[kRtMaxSplits];
 #pragma unroll
     for (int sp = 0; sp < kRtMaxSplits; ++sp)
-      if (sp < ns) v[sp] = __ldcg(reinterpret_cast<const float4*>(a.partial + (size_t(sp) * a.T + t) * kRtExp + tx * 4));
+      if (sp < splits) v[sp] = reinterpret_cast<const float4*>(a.partial + (size_t(sp) * a.T + t) * kRtExp)[lane];
     float4 sum = v[0];
 #pragma unroll
     for (int sp = 1; sp < kRtMaxSplits; ++sp)
-      if (sp < ns) sum.x += v[sp].x, sum.y += v[sp].y, sum.z += v[sp].z, sum.w += v[sp].w;
+      if (sp < splits) sum.x += v[sp].x, sum.y += v[sp].y, sum.z += v[sp].z, sum.w += v[sp].w;
     float l[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      if (tx * 4 + j < a.E) a.logits[size_t(t) * a.E + tx * 4 + j] = l[j];
-    warp_top_k(l, [tx](int j) { return tx * 4 + j; }, a.E, a.k, a.pes, a.idx + size_t(t) * a.k,
+      if (lane * 4 + j < a.E) a.logits[size_t(t) * a.E + lane * 4 + j] = l[j];
+    warp_top_k(l, [lane](int j) { return lane * 4 + j; }, a.E, a.k, a.pes, a.idx + size_t(t) * a.k,
                a.w + size_t(t) * a.k);
   }
-
-  // ---- phase 3: the last token tile assigns every pair ----
+  // the last block to finish assigns every pair
   __threadfence();
   __syncthreads();
-  if (tid == 0) arrival = atomicAdd(a.counters + gridDim.x, 1u);
+  if (threadIdx.x == 0) arrival = atomicAdd(a.counters, 1u);
   __syncthreads();
-  if (arrival != unsigned(gridDim.x) - 1) return;
+  if (arrival != gridDim.x - 1) return;
   __threadfence();
-  if (tid == 0) a.counters[gridDim.x] = 0;
+  if (threadIdx.x == 0) *a.counters = 0;  // every block has arrived: ready for the next launch
   assign_pairs(a.idx, a.T * a.k, a.E, a.M, a.ovf, a.sorted_pos, a.meta, cnt);
 }
 
@@ -561,8 +567,9 @@ void router_top_k_assign(const float* x, int T, int H, const float* W, int E, in
   const RouterSplit sp = router_split(T, H);
   RouterArgs a{x, W, per_expert_scale, T, H, E, k, sp.kc, partial, counters, logits, idx, w, M, ovf_offsets,
                sorted_pos, meta};
-  router_fused_k<<<dim3(unsigned(sp.tiles), unsigned(sp.splits)), kRtThreads, 0, s>>>(a);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(router_partials_k, dim3(unsigned(sp.tiles), unsigned(sp.splits)), dim3(kRtThreads), 0, s, a);
+  launch_pdl(router_route_k, dim3(unsigned((T + kRouteWarps - 1) / kRouteWarps)), dim3(32 * kRouteWarps), 0, s, a,
+             sp.splits);
 }
 
 void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int32_t* offsets, int32_t* sorted_pos,
