@@ -298,6 +298,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&grouped_, cudaEventDisableTiming));
     tm_ = std::max(opt.prefill_chunk, cfg_.canvas_length);
     if (opt.sliding_rewind < 0) fail("CudaOptions::sliding_rewind must be >= 0");
     if (opt.sc_sparse && !(opt.sc_sparse_max_survivors > 0))
@@ -334,6 +335,7 @@ class CudaBackend final : public Backend {
     gemm_side_.reset();
     cudaEventDestroy(fork_);
     cudaEventDestroy(join_);
+    cudaEventDestroy(grouped_);
     cudaStreamDestroy(side_);
     cudaFree(arena_.base);
     cudaFreeHost(host_ids_);
@@ -673,7 +675,6 @@ class CudaBackend final : public Backend {
       CUDA_CHECK(cudaEventRecord(fork_, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
       gated_mlp_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
-      CUDA_CHECK(cudaEventRecord(join_, side_));
     } else {
       gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
     }
@@ -708,14 +709,28 @@ class CudaBackend final : public Backend {
       else
         cuda::moe_group_padded(s_.idx, T, K, E, s_.xe, H, M, s_.offsets, s_.sorted_pos, s_.xs, stream_, s_.moe_meta);
       mark(kStGroup);
+      // The overflow rows run on a small grid over the listed experts (moe_group_padded's meta). Their rows of xs,
+      // act and y lie past the padded ones (and past the f32 gate/up below), so with the side stream they run there,
+      // after the dense MLP, beside the padded GEMMs instead of between them.
+      auto overflow_gate_up = [&](cudaStream_t st) {
+        cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, st, s_.moe_meta);
+      };
+      auto overflow_down = [&](cudaStream_t st) {
+        cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, st, s_.moe_meta);
+      };
+      if (overlap) {
+        CUDA_CHECK(cudaEventRecord(grouped_, stream_));
+        CUDA_CHECK(cudaStreamWaitEvent(side_, grouped_));
+        overflow_gate_up(side_);
+        overflow_down(side_);
+      }
       // gate/up in f32 (in y, free until the down GEMM): one bf16 rounding, of the activation, as the grouped kernels.
-      // The overflow rows run on a small grid over the listed experts (moe_group_padded's meta).
       gemm_->linear_batched(s_.xs, Dt::BF16, M, L.exp_gu, Dt::BF16, 2 * Ie, H, s_.y, Dt::F32, E, stream_);
       cuda::moe_gelu_mul_padded(s_.y, E, M, Ie, s_.moe_meta, s_.acte, stream_);
-      cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, stream_, s_.moe_meta);
+      if (!overlap) overflow_gate_up(stream_);
       mark(kStGateUp);
       gemm_->linear_batched(s_.acte, Dt::BF16, M, L.exp_down, Dt::BF16, H, Ie, s_.y, Dt::F32, E, stream_);
-      cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, stream_, s_.moe_meta);
+      if (!overlap) overflow_down(stream_);
       mark(kStDown);
     } else {
       cuda::moe_group(s_.idx, T, K, E, s_.xe, H, s_.offsets, s_.sorted_pos, s_.xs, stream_);
@@ -725,7 +740,10 @@ class CudaBackend final : public Backend {
       cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, stream_);
       mark(kStDown);
     }
-    if (overlap) CUDA_CHECK(cudaStreamWaitEvent(stream_, join_));
+    if (overlap) {
+      CUDA_CHECK(cudaEventRecord(join_, side_));
+      CUDA_CHECK(cudaStreamWaitEvent(stream_, join_));
+    }
     const bool last = l + 1 == cfg_.num_layers;  // else the combine also writes the next layer's input norm to x
     cuda::moe_combine_ffn(s_.y, s_.idx, s_.wk, s_.sorted_pos, T, K, s_.h, s_.m1, H, L.post_ff1, L.post_ff2,
                           L.post_ff, eps, pass == Pass::Encoder ? L.enc_scalar : L.dec_scalar, stream_,
@@ -796,6 +814,7 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cudaStream_t side_ = nullptr;  // the dense MLP's branch of a layer (layer())
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  cudaEvent_t grouped_ = nullptr;  // main -> side: the expert rows are grouped (the overflow kernels may start)
   int tm_ = 0;
   Arena arena_;
   std::unique_ptr<cuda::Gemm> gemm_, gemm_side_;
