@@ -33,7 +33,7 @@ struct BenchArgs {
   int reps = 10;
   std::string contexts = "512,4096,32768", prefills = "4096,32768";
   bool json = false, breakdown = false, no_graphs = false, grouped_experts = false, tune_gemm = false;
-  bool no_overlap = false, fused_router = false, no_pdl = false, dense_beside_experts = false;
+  bool no_overlap = false, fused_router = false, no_pdl = false;
   int dense_mlp_sms = 0;
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -114,7 +114,6 @@ int run_bench(const BenchArgs& args) {
   opt.padded_experts = !args.grouped_experts;
   opt.overlap_dense_mlp = !args.no_overlap;
   opt.fused_router = args.fused_router;
-  opt.dense_mlp_beside_experts = args.dense_beside_experts;
   opt.dense_mlp_sms = args.dense_mlp_sms;
   CudaScStats sc_stats;
   opt.sc_sparse = args.sc_sparse;
@@ -148,7 +147,6 @@ int run_bench(const BenchArgs& args) {
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = args.dense_mlp_sms;
   out["pdl"] = !args.no_pdl;
-  out["dense_mlp_beside_experts"] = args.dense_beside_experts;
   out["router"] = args.fused_router ? "fused (one launch)" : "cuBLASLt f32 GEMM + top-k + assign";
   out["experts"] = args.grouped_experts ? "grouped kernels" : "padded strided-batched cuBLASLt";
   out["sc"] = args.sc_sparse ? "sparse survivors (exact fallback per step)" : "exact (probs @ E GEMM)";
@@ -324,9 +322,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                     "many survivors or drops > 1e-3 mass (CudaOptions::sc_sparse)");
                        sub.add_flag("--no-overlap", a->no_overlap,
                                     "A/B: the dense MLP on the main stream (CudaOptions::overlap_dense_mlp = false)");
-                       sub.add_flag("--dense-beside-experts", a->dense_beside_experts,
-                                    "A/B: start the concurrent dense MLP after the expert grouping instead of beside "
-                                    "the router (CudaOptions::dense_mlp_beside_experts)");
                        sub.add_flag("--no-pdl", a->no_pdl,
                                     "A/B: launch without programmatic dependent launch (src/backend/cuda/launch.cuh)");
                        sub.add_flag("--fused-router", a->fused_router,

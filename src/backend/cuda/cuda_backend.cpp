@@ -671,24 +671,18 @@ class CudaBackend final : public Backend {
     // the combine: the dense MLP runs on a side stream (fork/join events, captured into the graph as parallel
     // branches). Stage-timed, traced and GEMM-tuning passes keep one stream so their times stay attributable.
     const bool overlap = opt_.overlap_dense_mlp && !timing_ && !trace_ && !cuda::gemm_tuning();
+    if (overlap) {
+      CUDA_CHECK(cudaEventRecord(fork_, stream_));
+      CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
+      gated_mlp_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
+    } else {
+      gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
+    }
+    mark(kStDenseMlp);
     const int Ie = cfg_.moe_intermediate_size;
     // Canvas-sized passes (denoise, commit): experts padded to M rows as one strided-batched cuBLASLt GEMM each
     // (weights stream at ~4.1 instead of ~3.4 TB/s); the rare rows past M go through the grouped kernels.
     const bool padded = opt_.padded_experts && T <= cfg_.canvas_length;
-    // dense_mlp_beside_experts: the side stream starts once the expert rows are grouped, so the router chain has the
-    // GPU to itself and the dense MLP runs beside the bandwidth-bound expert GEMMs instead.
-    const bool dense_late = overlap && padded && opt_.dense_mlp_beside_experts;
-    auto dense_mlp_on_side = [&] {
-      gated_mlp_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
-    };
-    if (overlap && !dense_late) {
-      CUDA_CHECK(cudaEventRecord(fork_, stream_));
-      CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
-      dense_mlp_on_side();
-    } else if (!overlap) {
-      gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
-    }
-    mark(kStDenseMlp);
     const int M = padded ? cuda::moe_padded_rows_per_expert(T, K, E) : 0;
     // The router GEMM, top-k and the padded assignment in one launch where it applies (five launches otherwise).
     const bool fused_router = padded && opt_.fused_router && cuda::router_fused_supported(E, H, K);
@@ -727,7 +721,6 @@ class CudaBackend final : public Backend {
       if (overlap) {
         CUDA_CHECK(cudaEventRecord(grouped_, stream_));
         CUDA_CHECK(cudaStreamWaitEvent(side_, grouped_));
-        if (dense_late) dense_mlp_on_side();
         overflow_gate_up(side_);
         overflow_down(side_);
       }

@@ -55,9 +55,6 @@ struct CudaOptions {
   // (cuBLASLt's Hopper kernels otherwise take every SM and the two branches serialize).
   bool overlap_dense_mlp = true;
   int dense_mlp_sms = 0;
-  // With overlap_dense_mlp on canvas passes: start the dense MLP once the expert rows are grouped (beside the expert
-  // GEMMs) instead of at the fork (beside the router chain). A/B: bench --dense-beside-experts.
-  bool dense_mlp_beside_experts = false;
   // Canvas-sized passes with padded experts route in two launches (router_top_k_assign: the f32 router GEMM's split
   // partials, then top-k and the padded assignment) instead of cuBLASLt's split-K GEMM + its reduce + route_top_k +
   // moe_assign. A/B: bench --fused-router. (A one-launch version measured 41-43 us a layer against ~39 for the five
