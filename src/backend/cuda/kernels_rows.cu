@@ -260,6 +260,22 @@ __global__ void add_bf16_to_f32_k(float* h, const bf16* a, size_t n) {
     h[i] += __bfloat162float(a[i]);
 }
 
+// Head row r of token t in qkv_norm_rope: q heads, then k heads, then v heads (v from the k projection when
+// v_from_k): where it is read and written, its norm weight (v: none) and whether it is rotated.
+struct QkvRow {
+  const bf16* src;
+  bf16* dst;
+  const float* w;
+  bool rotate;
+};
+__device__ __forceinline__ QkvRow qkv_row(int r, int t, int nh, int nkv, int D, bool v_from_k, const bf16* src_row,
+                                          const float* qw, const float* kw, bf16* q, bf16* k, bf16* v) {
+  if (r < nh) return {src_row + size_t(r) * D, q + (size_t(t) * nh + r) * D, qw, true};
+  if (r < nh + nkv) return {src_row + size_t(r) * D, k + (size_t(t) * nkv + (r - nh)) * D, kw, true};
+  const int hv = r - nh - nkv;
+  return {src_row + size_t(v_from_k ? nh + hv : nh + nkv + hv) * D, v + (size_t(t) * nkv + hv) * D, nullptr, false};
+}
+
 // One warp per (token, head) row: norm over D, then split-half rotation of the pairs (i, i + D/2).
 __global__ void qkv_norm_rope_k(const bf16* qkv, int nh, int nkv, int D, bool v_from_k, const float* qw,
                                 const float* kw, const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k,
@@ -281,19 +297,7 @@ __global__ void qkv_norm_rope_k(const bf16* qkv, int nh, int nkv, int D, bool v_
   }
   __syncthreads();
   for (int r = threadIdx.x >> 5; r < n_rows; r += blockDim.x >> 5) {
-    const bf16* src;
-    bf16* dst;
-    const float* w;
-    bool rotate;
-    if (r < nh) {
-      src = src_row + size_t(r) * D, dst = q + (size_t(t) * nh + r) * D, w = qw, rotate = true;
-    } else if (r < nh + nkv) {
-      src = src_row + size_t(r) * D, dst = k + (size_t(t) * nkv + (r - nh)) * D, w = kw, rotate = true;
-    } else {
-      const int hv = r - nh - nkv;
-      src = src_row + size_t(v_from_k ? nh + hv : nh + nkv + hv) * D;
-      dst = v + (size_t(t) * nkv + hv) * D, w = nullptr, rotate = false;
-    }
+    const auto [src, dst, w, rotate] = qkv_row(r, t, nh, nkv, D, v_from_k, src_row, qw, kw, q, k, v);
     float ss = 0;
     for (int i = lane; i < D; i += 32) {
       float x = __bfloat162float(src[i]);
@@ -339,19 +343,7 @@ __global__ void qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_fro
   const bool first = lane < 16;
   const int e0 = lane * EPL, i0 = (first ? lane : lane - 16) * EPL;  // element, and its rotation frequency index
   for (int r = threadIdx.x >> 5; r < n_rows; r += blockDim.x >> 5) {
-    const bf16* src;
-    bf16* dst;
-    const float* w;
-    bool rotate;
-    if (r < nh) {
-      src = src_row + size_t(r) * D, dst = q + (size_t(t) * nh + r) * D, w = qw, rotate = true;
-    } else if (r < nh + nkv) {
-      src = src_row + size_t(r) * D, dst = k + (size_t(t) * nkv + (r - nh)) * D, w = kw, rotate = true;
-    } else {
-      const int hv = r - nh - nkv;
-      src = src_row + size_t(v_from_k ? nh + hv : nh + nkv + hv) * D;
-      dst = v + (size_t(t) * nkv + hv) * D, w = nullptr, rotate = false;
-    }
+    const auto [src, dst, w, rotate] = qkv_row(r, t, nh, nkv, D, v_from_k, src_row, qw, kw, q, k, v);
     float x[EPL];
 #pragma unroll
     for (int c = 0; c < EPL / 8; ++c) {
