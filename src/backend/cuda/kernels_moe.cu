@@ -191,9 +191,10 @@ __global__ void moe_assign_k(const int32_t* idx, int P, int E, int M, int32_t* o
 // router_route_k: one warp per token adds the split partials in split order, writes the logits and routes the token
 // (warp_top_k); the last block to finish (an arrival counter) assigns every pair (assign_pairs).
 // Fixed summation orders, so the results do not depend on which block finishes last.
-// Measured before (H200, session 4): the same work as ONE launch, where the last split-block of each token tile
-// routed its 32 tokens and the last of those assigned, took 41-43 us a layer (the serial tail dominated); cuBLASLt's
-// split-K SIMT GEMM + its reduce + route_top_k + moe_assign took ~39.
+// Measured on the H200 (session 4, docs/BENCHMARKS.md): router_partials_k 15.2 us + router_route_k 20.2 us a layer,
+// no faster than cuBLASLt's split-K SIMT GEMM + its reduce + route_top_k + moe_assign (~39 us, 4K step 18.40 vs
+// 18.32 ms), so CudaOptions::fused_router is off. The same work as ONE launch (the last split-block of each token
+// tile routing its 32 tokens, the last of those assigning) took 41-43 us: the serial tail dominated.
 constexpr int kRtTok = 32, kRtExp = 128, kRtKc = 32, kRtThreads = 128, kRtMaxSplits = 16;
 constexpr int kRtXs = kRtTok + 4, kRtWs = kRtExp + 4;  // padded smem rows (float4-aligned, fewer bank conflicts)
 constexpr int kRouteWarps = 8;
