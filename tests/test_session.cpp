@@ -65,7 +65,9 @@ TEST(Session, ThreeTurnsPrefillOnlyNewTokensAndMatchColdRuns) {
     EXPECT_EQ(turn.stats.prefilled_tokens, int64_t(prompt.size() - cached));
     EXPECT_EQ(turn.stats.truncated_tokens, 0);
     EXPECT_FALSE(turn.stats.reprefill);
-    if (t > 0) EXPECT_EQ(turn.stats.prefilled_tokens, int64_t(user_turns[t].size()));
+    if (t > 0) {
+      EXPECT_EQ(turn.stats.prefilled_tokens, int64_t(user_turns[t].size()));
+    }
     ASSERT_EQ(turn.result.ids.size(), 40u);
     EXPECT_EQ(turn.result.ids, cold(prompt, o)) << "KV reuse changed the output";
     // The whole turn, including the block generate() leaves uncommitted, is now in the cache.

@@ -39,13 +39,13 @@ struct BenchArgs {
   bool sc_sparse = false;  // CudaOptions::sc_sparse
 };
 
+#ifdef DIFFGEMMA_WITH_CUDA
 std::vector<int> parse_sizes(const std::string& s) {
   std::vector<int> v;
   for (int32_t x : parse_id_list(s, "size list")) v.push_back(int(x));
   return v;
 }
 
-#ifdef DIFFGEMMA_WITH_CUDA
 // google/diffusiongemma-26B-A4B-it text config (model-reference §1).
 ModelConfig full_size_config() {
   ModelConfig c;
