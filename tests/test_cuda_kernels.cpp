@@ -297,10 +297,10 @@ TEST(CudaKernels, RouteTopK) {
   }
 }
 
-// router_top_k_assign (one launch: f32 GEMM split over H, top-k, padded assignment) against the CPU: logits vs a
-// double GEMM, the selection and weights vs cpu::route_top_k on the kernel's own logits (so near-ties cannot flip),
-// and the assignment's invariants. One workspace serves every size in turn (its arrival counters must come back
-// zeroed, whatever the token count), and each call is repeated for bitwise determinism.
+// router_top_k_assign (two launches: f32 GEMM partials split over H, then top-k and the padded assignment) against
+// the CPU: logits vs a double GEMM, the selection and weights vs cpu::route_top_k on the kernel's own logits (so
+// near-ties cannot flip), and the assignment's invariants. One workspace serves every size in turn (its arrival
+// counter must come back zeroed, whatever the token count), and each call is repeated for bitwise determinism.
 TEST(CudaKernels, RouterTopKAssignFused) {
   REQUIRE_GPU();
   const size_t max_t = 300, max_h = 2816;

@@ -147,7 +147,7 @@ int run_bench(const BenchArgs& args) {
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = args.dense_mlp_sms;
   out["pdl"] = !args.no_pdl;
-  out["router"] = args.fused_router ? "fused (one launch)" : "cuBLASLt f32 GEMM + top-k + assign";
+  out["router"] = args.fused_router ? "router_top_k_assign (two launches)" : "cuBLASLt f32 GEMM + top-k + assign";
   out["experts"] = args.grouped_experts ? "grouped kernels" : "padded strided-batched cuBLASLt";
   out["sc"] = args.sc_sparse ? "sparse survivors (exact fallback per step)" : "exact (probs @ E GEMM)";
 
@@ -325,7 +325,7 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--no-pdl", a->no_pdl,
                                     "A/B: launch without programmatic dependent launch (src/backend/cuda/launch.cuh)");
                        sub.add_flag("--fused-router", a->fused_router,
-                                    "A/B: the router GEMM, top-k and expert assignment in one launch "
+                                    "A/B: the router GEMM, top-k and expert assignment in two launches "
                                     "(CudaOptions::fused_router)");
                        sub.add_option("--dense-mlp-sms", a->dense_mlp_sms,
                                       "plan the concurrent dense MLP's GEMMs for this many SMs (0: all)")

@@ -684,7 +684,7 @@ class CudaBackend final : public Backend {
     // (weights stream at ~4.1 instead of ~3.4 TB/s); the rare rows past M go through the grouped kernels.
     const bool padded = opt_.padded_experts && T <= cfg_.canvas_length;
     const int M = padded ? cuda::moe_padded_rows_per_expert(T, K, E) : 0;
-    // The router GEMM, top-k and the padded assignment in one launch where it applies (five launches otherwise).
+    // CudaOptions::fused_router: the router GEMM, top-k and the padded assignment in two launches (off by default).
     const bool fused_router = padded && opt_.fused_router && cuda::router_fused_supported(E, H, K);
     if (fused_router) {
       cuda::router_top_k_assign(s_.xr, T, H, L.router_w, E, K, L.pes, M, s_.router_partial, s_.router_counters, s_.rl,

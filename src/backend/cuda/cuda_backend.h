@@ -51,8 +51,8 @@ struct CudaOptions {
   // (A/B: `diffgemma bench --grouped-experts`). Prefill chunks always use the grouped kernels.
   bool padded_experts = true;
   // Run a layer's dense MLP (then the experts' few overflow rows) on a second stream, concurrently with its router
-  // and experts (A/B: bench --no-overlap). dense_mlp_sms > 0 plans those GEMMs for that many SMs, leaving the rest to the main stream
-  // (cuBLASLt's Hopper kernels otherwise take every SM and the two branches serialize).
+  // and experts (A/B: bench --no-overlap). dense_mlp_sms > 0 plans those GEMMs for that many SMs, leaving the rest
+  // to the main stream (cuBLASLt's Hopper kernels otherwise take every SM and the two branches serialize).
   bool overlap_dense_mlp = true;
   int dense_mlp_sms = 0;
   // Canvas-sized passes with padded experts route in two launches (router_top_k_assign: the f32 router GEMM's split

@@ -134,23 +134,6 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
 // for padding M. The gather is moe_gather. partial: router_partial_floats(T, H) floats; counters:
 // kRouterCounterSlots zeroed unsigneds, left zeroed (two concurrent calls must not share them). Deterministic:
 // fixed summation orders.
-struct RouterArgs {
-  const float* x;
-  const float* W;
-  const float* pes;
-  int T, H, E, k, kc;  // kc: the k-range of one split
-  float* partial;
-  unsigned* counters;
-  float* logits;
-  int32_t* idx;
-  float* w;
-  int M;
-  int32_t *ovf, *sorted_pos, *meta;
-};
-struct RouterSplit {
-  int tiles, splits, kc;
-};
-RouterSplit router_split(int T, int H);
 size_t router_partial_floats(int T, int H);
 constexpr size_t kRouterCounterSlots = 1;  // router_route_k's arrival counter
 bool router_fused_supported(int E, int H, int k);

@@ -152,6 +152,42 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// The end of every attention kernel for one thread: its two rows' l (lane-partial until here) summed over the quad
+// (commutative order: all 4 lanes agree bitwise), then the rows written, the normalized bf16 output when the keys
+// are not split, else this split's f32 partial O and (m, l). row0: the thread's first row (the second is row0 + 8);
+// col0: its first head-dim column (then every 8th, OT of them); o_at(t, c): its accumulator for column chunk t and
+// entry c (0..3: row h = c / 2, column col0 + 8 t + c % 2); ml_writer: the one thread per row that writes (m, l).
+template <int D, int OT, class OAt>
+__device__ __forceinline__ void finish_rows(const AttentionArgs& a, const Split& sp, int split, int kvh, int g,
+                                            int rows_total, int row0, int col0, bool ml_writer, const float (&m_r)[2],
+                                            float (&l_r)[2], OAt o_at) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
+    l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 2);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int gr = row0 + h * 8;
+    if (gr >= rows_total) continue;
+    if (sp.nsplit == 1) {
+      const float inv = l_r[h] > 0 ? 1.0f / l_r[h] : 0.0f;
+      bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + col0;
+#pragma unroll
+      for (int t = 0; t < OT; ++t)
+        *reinterpret_cast<__nv_bfloat162*>(dst + t * 8) =
+            __floats2bfloat162_rn(o_at(t, 2 * h) * inv, o_at(t, 2 * h + 1) * inv);
+    } else {
+      const size_t row = (size_t(split) * a.nkv + kvh) * rows_total + gr;
+      float* dst = sp.ws_o + row * D + col0;
+#pragma unroll
+      for (int t = 0; t < OT; ++t)
+        *reinterpret_cast<float2*>(dst + t * 8) = make_float2(o_at(t, 2 * h), o_at(t, 2 * h + 1));
+      if (ml_writer) *reinterpret_cast<float2*>(sp.ws_ml + row * 2) = make_float2(m_r[h], l_r[h]);
+    }
+  }
+}
+
 template <int D>
 __global__ void __launch_bounds__(kThreads, 1) attention_k(AttentionArgs a, Split sp) {
   using C = Cfg<D>;
@@ -342,33 +378,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_k(AttentionArgs a, Spli
   }
   cp_async_wait<0>();
 
-  // Row sums: lane-partial until here; the quad adds them (commutative order: all 4 lanes agree bitwise).
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
-    l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 2);
-  }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int gr = m0 + rg * 16 + grp + h * 8;
-    if (gr >= rows_total) continue;
-    const int col0 = dp * DW + tig * 2;
-    if (sp.nsplit == 1) {
-      const float inv = l_r[h] > 0 ? 1.0f / l_r[h] : 0.0f;
-      bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + col0;
-#pragma unroll
-      for (int t = 0; t < OT; ++t)
-        *reinterpret_cast<__nv_bfloat162*>(dst + t * 8) =
-            __floats2bfloat162_rn(o[t][2 * h] * inv, o[t][2 * h + 1] * inv);
-    } else {
-      const size_t row = (size_t(split) * a.nkv + kvh) * rows_total + gr;
-      float* dst = sp.ws_o + row * D + col0;
-#pragma unroll
-      for (int t = 0; t < OT; ++t)
-        *reinterpret_cast<float2*>(dst + t * 8) = make_float2(o[t][2 * h], o[t][2 * h + 1]);
-      if (dp == 0 && tig == 0) *reinterpret_cast<float2*>(sp.ws_ml + row * 2) = make_float2(m_r[h], l_r[h]);
-    }
-  }
+  finish_rows<D, OT>(a, sp, split, kvh, g, rows_total, m0 + rg * 16 + grp, dp * DW + tig * 2, dp == 0 && tig == 0,
+                     m_r, l_r, [&](int t, int c) { return o[t][c]; });
 }
 
 // ---- shared by the wgmma kernels ------------------------------------------------------------------------------------
@@ -758,32 +769,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
     cp_async_wait<0>();
   }
 
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
-    l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 2);
-  }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int gr = m0 + rbase + wwarp * 16 + grp + h * 8;
-    if (gr >= rows_total) continue;
-    const int col0 = tig * 2;
-    if (sp.nsplit == 1) {
-      const float inv = l_r[h] > 0 ? 1.0f / l_r[h] : 0.0f;
-      bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + col0;
-#pragma unroll
-      for (int t = 0; t < OT; ++t)
-        *reinterpret_cast<__nv_bfloat162*>(dst + t * 8) =
-            __floats2bfloat162_rn(o[t * 4 + 2 * h] * inv, o[t * 4 + 2 * h + 1] * inv);
-    } else {
-      const size_t row = (size_t(split) * a.nkv + kvh) * rows_total + gr;
-      float* dst = sp.ws_o + row * D + col0;
-#pragma unroll
-      for (int t = 0; t < OT; ++t)
-        *reinterpret_cast<float2*>(dst + t * 8) = make_float2(o[t * 4 + 2 * h], o[t * 4 + 2 * h + 1]);
-      if (tig == 0) *reinterpret_cast<float2*>(sp.ws_ml + row * 2) = make_float2(m_r[h], l_r[h]);
-    }
-  }
+  finish_rows<D, OT>(a, sp, split, kvh, g, rows_total, m0 + rbase + wwarp * 16 + grp, tig * 2, tig == 0, m_r, l_r,
+                     [&](int t, int c) { return o[t * 4 + c]; });
 #else
   static_assert(WgCfg<D>::RS > 0, "");  // (no wgmma on this target: the launcher never picks this kernel)
 #endif
@@ -1076,32 +1063,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       wg_wait<0>();
       reg_fence(o);
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
-      l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 2);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int gr = m0 + rbase + wwarp * 16 + grp + h * 8;
-      if (gr >= rows_total) continue;
-      const int col0 = tig * 2;
-      if (sp.nsplit == 1) {
-        const float inv = l_r[h] > 0 ? 1.0f / l_r[h] : 0.0f;
-        bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + col0;
-#pragma unroll
-        for (int t = 0; t < OT; ++t)
-          *reinterpret_cast<__nv_bfloat162*>(dst + t * 8) =
-              __floats2bfloat162_rn(o[t * 4 + 2 * h] * inv, o[t * 4 + 2 * h + 1] * inv);
-      } else {
-        const size_t row = (size_t(split) * a.nkv + kvh) * rows_total + gr;
-        float* dst = sp.ws_o + row * D + col0;
-#pragma unroll
-        for (int t = 0; t < OT; ++t)
-          *reinterpret_cast<float2*>(dst + t * 8) = make_float2(o[t * 4 + 2 * h], o[t * 4 + 2 * h + 1]);
-        if (tig == 0) *reinterpret_cast<float2*>(sp.ws_ml + row * 2) = make_float2(m_r[h], l_r[h]);
-      }
-    }
+    finish_rows<D, OT>(a, sp, split, kvh, g, rows_total, m0 + rbase + wwarp * 16 + grp, tig * 2, tig == 0, m_r, l_r,
+                       [&](int t, int c) { return o[t * 4 + c]; });
   }
 #else
   static_assert(WsCfg<D, NK>::RS > 0 && (SW || !SW), "");
@@ -1337,32 +1300,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
   // XA: no block leaves while its partner may still arrive on its mbarriers
   if constexpr (XA) cluster_sync_all();
 
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
-    l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 2);
-  }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int gr = m0 + rbase + wwarp * 16 + grp + h * 8;
-    if (gr >= rows_total) continue;
-    const int col0 = colh + tig * 2;
-    if (sp.nsplit == 1) {
-      const float inv = l_r[h] > 0 ? 1.0f / l_r[h] : 0.0f;
-      bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D + col0;
-#pragma unroll
-      for (int t = 0; t < OT; ++t)
-        *reinterpret_cast<__nv_bfloat162*>(dst + t * 8) =
-            __floats2bfloat162_rn(o[t * 4 + 2 * h] * inv, o[t * 4 + 2 * h + 1] * inv);
-    } else {
-      const size_t row = (size_t(split) * a.nkv + kvh) * rows_total + gr;
-      float* dst = sp.ws_o + row * D + col0;
-#pragma unroll
-      for (int t = 0; t < OT; ++t)
-        *reinterpret_cast<float2*>(dst + t * 8) = make_float2(o[t * 4 + 2 * h], o[t * 4 + 2 * h + 1]);
-      if (dp == 0 && tig == 0) *reinterpret_cast<float2*>(sp.ws_ml + row * 2) = make_float2(m_r[h], l_r[h]);
-    }
-  }
+  finish_rows<D, OT>(a, sp, split, kvh, g, rows_total, m0 + rbase + wwarp * 16 + grp, colh + tig * 2,
+                     dp == 0 && tig == 0, m_r, l_r, [&](int t, int c) { return o[t * 4 + c]; });
 #else
   static_assert(WgxCfg<D_>::D == D_ && WgxCfg<D_>::RS > 0 && (SW || !SW), "");  // (no wgmma on this target: never picked)
 #endif

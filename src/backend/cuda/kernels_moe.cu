@@ -195,9 +195,35 @@ __global__ void moe_assign_k(const int32_t* idx, int P, int E, int M, int32_t* o
 // no faster than cuBLASLt's split-K SIMT GEMM + its reduce + route_top_k + moe_assign (~39 us, 4K step 18.40 vs
 // 18.32 ms), so CudaOptions::fused_router is off. The same work as ONE launch (the last split-block of each token
 // tile routing its 32 tokens, the last of those assigning) took 41-43 us: the serial tail dominated.
+struct RouterArgs {
+  const float* x;
+  const float* W;
+  const float* pes;
+  int T, H, E, k, kc;  // kc: the k-range of one split
+  float* partial;
+  unsigned* counters;
+  float* logits;
+  int32_t* idx;
+  float* w;
+  int M;
+  int32_t *ovf, *sorted_pos, *meta;
+};
 constexpr int kRtTok = 32, kRtExp = 128, kRtKc = 32, kRtThreads = 128, kRtMaxSplits = 16;
 constexpr int kRtXs = kRtTok + 4, kRtWs = kRtExp + 4;  // padded smem rows (float4-aligned, fewer bank conflicts)
 constexpr int kRouteWarps = 8;
+
+// Token tiles of kRtTok, and H cut into at most kRtMaxSplits k-ranges (multiples of kRtKc) so the partials grid
+// covers ~128 blocks.
+struct RouterSplit {
+  int tiles, splits, kc;
+};
+RouterSplit router_split(int T, int H) {
+  const int tiles = (T + kRtTok - 1) / kRtTok;
+  int splits = std::max(1, std::min(kRtMaxSplits, 128 / std::max(tiles, 1)));
+  const int kc = ((H + splits - 1) / splits + kRtKc - 1) / kRtKc * kRtKc;
+  splits = (H + kc - 1) / kc;  // no empty split
+  return {tiles, splits, kc};
+}
 
 __global__ void __launch_bounds__(kRtThreads) router_partials_k(RouterArgs a) {
   __shared__ __align__(16) float xs[2][kRtKc][kRtXs];
@@ -545,14 +571,6 @@ void moe_gather(const int32_t* sorted_pos, int T, int k, const bf16* x, int H, b
   launch_pdl(moe_gather_k, dim3(T * k), dim3(128), 0, s, sorted_pos, k, reinterpret_cast<const uint4*>(x), H / 8,
                                      reinterpret_cast<uint4*>(xs));
   CUDA_CHECK_LAUNCH();
-}
-
-RouterSplit router_split(int T, int H) {
-  const int tiles = (T + kRtTok - 1) / kRtTok;
-  int splits = std::max(1, std::min(kRtMaxSplits, 128 / std::max(tiles, 1)));
-  const int kc = ((H + splits - 1) / splits + kRtKc - 1) / kRtKc * kRtKc;
-  splits = (H + kc - 1) / kc;  // no empty split
-  return {tiles, splits, kc};
 }
 
 size_t router_partial_floats(int T, int H) { return size_t(router_split(T, H).splits) * size_t(T) * kRtExp; }

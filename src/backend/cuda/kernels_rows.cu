@@ -260,6 +260,17 @@ __global__ void add_bf16_to_f32_k(float* h, const bf16* a, size_t n) {
     h[i] += __bfloat162float(a[i]);
 }
 
+// trig = cos, then sin, of the token's angles pos * inv_freq[i] (i < half; an inv_freq of 0 is no rotation), once per
+// block instead of once per head row; ends with the block barrier.
+__device__ __forceinline__ void fill_rope_trig(float* trig, int half, float pos, const float* inv_freq) {
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    float sn = 0.0f, cs = 1.0f;
+    if (inv_freq[i] != 0.0f) sincosf(pos * inv_freq[i], &sn, &cs);
+    trig[i] = cs, trig[half + i] = sn;
+  }
+  __syncthreads();
+}
+
 // Head row r of token t in qkv_norm_rope: q heads, then k heads, then v heads (v from the k projection when
 // v_from_k): where it is read and written, its norm weight (v: none) and whether it is rotated.
 struct QkvRow {
@@ -288,14 +299,8 @@ __global__ void qkv_norm_rope_k(const bf16* qkv, int nh, int nkv, int D, bool v_
   const bf16* src_row = qkv + size_t(t) * width;
   const float pos = float(pos0 + t);
   const int half = D / 2;
-  // cos/sin of this token's angles, once per block instead of once per head row (~30x fewer sincosf)
   extern __shared__ float trig[];  // [half] cos, then [half] sin
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    float sn = 0.0f, cs = 1.0f;
-    if (inv_freq[i] != 0.0f) sincosf(pos * inv_freq[i], &sn, &cs);
-    trig[i] = cs, trig[half + i] = sn;
-  }
-  __syncthreads();
+  fill_rope_trig(trig, half, pos, inv_freq);
   for (int r = threadIdx.x >> 5; r < n_rows; r += blockDim.x >> 5) {
     const auto [src, dst, w, rotate] = qkv_row(r, t, nh, nkv, D, v_from_k, src_row, qw, kw, q, k, v);
     float ss = 0;
@@ -334,12 +339,7 @@ __global__ void qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_fro
   const bf16* src_row = qkv + size_t(t) * width;
   const float pos = float(pos0 + t);
   __shared__ float trig[2 * half];  // [half] cos, then [half] sin
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    float sn = 0.0f, cs = 1.0f;
-    if (inv_freq[i] != 0.0f) sincosf(pos * inv_freq[i], &sn, &cs);
-    trig[i] = cs, trig[half + i] = sn;
-  }
-  __syncthreads();
+  fill_rope_trig(trig, half, pos, inv_freq);
   const bool first = lane < 16;
   const int e0 = lane * EPL, i0 = (first ? lane : lane - 16) * EPL;  // element, and its rotation frequency index
   for (int r = threadIdx.x >> 5; r < n_rows; r += blockDim.x >> 5) {
