@@ -152,6 +152,31 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// The keys (cache-window indices [jb, je)) that query rows m0 .. m0 + BM - 1 of a kv head see, and the bounds of
+// those rows' positions: all keys, or causal with an optional window; then this block's share of them when the keys
+// are split (whole BN-key tiles, split after split).
+struct KeyRange {
+  int64_t q_min, q_max, jb, je;
+};
+template <int BM, int BN>
+__device__ __forceinline__ KeyRange key_range(const AttentionArgs& a, const Split& sp, int split, int m0,
+                                              int rows_total, int g) {
+  const int last_row = min(rows_total, m0 + BM) - 1;
+  KeyRange r{a.q_pos0 + m0 / g, a.q_pos0 + last_row / g, 0, a.n_old + a.T_new};
+  if (a.causal) {
+    r.je = min(r.je, r.q_max - a.first_pos + 1);
+    if (a.window > 0) r.jb = max(int64_t(0), r.q_min - a.window + 1 - a.first_pos);
+  }
+  if (sp.nsplit > 1) {
+    const int64_t tiles = r.je > r.jb ? (r.je - r.jb + BN - 1) / BN : 0;
+    const int64_t tps = (tiles + sp.nsplit - 1) / sp.nsplit;
+    const int64_t s0 = r.jb + split * tps * BN;
+    r.je = min(r.je, s0 + tps * BN);
+    r.jb = s0;
+  }
+  return r;
+}
+
 // The end of every attention kernel for one thread: its two rows' l (lane-partial until here) summed over the quad
 // (commutative order: all 4 lanes agree bitwise), then the rows written, the normalized bf16 output when the keys
 // are not split, else this split's f32 partial O and (m, l). row0: the thread's first row (the second is row0 + 8);
@@ -204,21 +229,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_k(AttentionArgs a, Spli
   const int bx = a.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int m0 = bx * BM;
 
-  const int last_row = min(rows_total, m0 + BM) - 1;
-  const int64_t q_min = a.q_pos0 + m0 / g, q_max = a.q_pos0 + last_row / g;
-  const int64_t nk = a.n_old + a.T_new;
-  int64_t jb = 0, je = nk;
-  if (a.causal) {
-    je = min(nk, q_max - a.first_pos + 1);
-    if (a.window > 0) jb = max(int64_t(0), q_min - a.window + 1 - a.first_pos);
-  }
-  if (sp.nsplit > 1) {
-    const int64_t tiles = je > jb ? (je - jb + BN - 1) / BN : 0;
-    const int64_t tps = (tiles + sp.nsplit - 1) / sp.nsplit;
-    const int64_t s0 = jb + split * tps * BN;
-    je = min(je, s0 + tps * BN);
-    jb = s0;
-  }
+  const KeyRange kr = key_range<BM, BN>(a, sp, split, m0, rows_total, g);
+  const int64_t q_min = kr.q_min, q_max = kr.q_max;
+  int64_t jb = kr.jb, je = kr.je;
 
   // The lane's two rows (grp, grp + 8 of its 16) and their query positions (for the causal mask).
   int64_t qp[2];
@@ -662,21 +675,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
   const int bx = a.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int m0 = bx * BM;
 
-  const int last_row = min(rows_total, m0 + BM) - 1;
-  const int64_t q_min = a.q_pos0 + m0 / g, q_max = a.q_pos0 + last_row / g;
-  const int64_t nk = a.n_old + a.T_new;
-  int64_t jb = 0, je = nk;
-  if (a.causal) {
-    je = min(nk, q_max - a.first_pos + 1);
-    if (a.window > 0) jb = max(int64_t(0), q_min - a.window + 1 - a.first_pos);
-  }
-  if (sp.nsplit > 1) {
-    const int64_t tiles = je > jb ? (je - jb + BN - 1) / BN : 0;
-    const int64_t tps = (tiles + sp.nsplit - 1) / sp.nsplit;
-    const int64_t s0 = jb + split * tps * BN;
-    je = min(je, s0 + tps * BN);
-    jb = s0;
-  }
+  const KeyRange kr = key_range<BM, BN>(a, sp, split, m0, rows_total, g);
+  const int64_t q_min = kr.q_min, q_max = kr.q_max;
+  int64_t jb = kr.jb, je = kr.je;
   int64_t qp[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -907,21 +908,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
   const int rows_total = a.T * g;
   const int bx = a.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int m0 = bx * BM;
-  const int last_row = min(rows_total, m0 + BM) - 1;
-  const int64_t q_min = a.q_pos0 + m0 / g, q_max = a.q_pos0 + last_row / g;
-  const int64_t nk = a.n_old + a.T_new;
-  int64_t jb = 0, je = nk;
-  if (a.causal) {
-    je = min(nk, q_max - a.first_pos + 1);
-    if (a.window > 0) jb = max(int64_t(0), q_min - a.window + 1 - a.first_pos);
-  }
-  if (sp.nsplit > 1) {
-    const int64_t tiles = je > jb ? (je - jb + BN - 1) / BN : 0;
-    const int64_t tps = (tiles + sp.nsplit - 1) / sp.nsplit;
-    const int64_t s0 = jb + split * tps * BN;
-    je = min(je, s0 + tps * BN);
-    jb = s0;
-  }
+  const KeyRange kr = key_range<BM, BN>(a, sp, split, m0, rows_total, g);
+  const int64_t q_min = kr.q_min, q_max = kr.q_max;
+  int64_t jb = kr.jb, je = kr.je;
   const int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t kbuf = base + uint32_t(C::q_bytes), vbuf = kbuf + uint32_t(NK * C::kv_bytes);
@@ -1120,21 +1109,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
   const int bx = a.causal ? tiles_x - 1 - bx0 : bx0;
   const int m0 = bx * BM;
 
-  const int last_row = min(rows_total, m0 + BM) - 1;
-  const int64_t q_min = a.q_pos0 + m0 / g, q_max = a.q_pos0 + last_row / g;
-  const int64_t nk = a.n_old + a.T_new;
-  int64_t jb = 0, je = nk;
-  if (a.causal) {
-    je = min(nk, q_max - a.first_pos + 1);
-    if (a.window > 0) jb = max(int64_t(0), q_min - a.window + 1 - a.first_pos);
-  }
-  if (sp.nsplit > 1) {
-    const int64_t tiles = je > jb ? (je - jb + BN - 1) / BN : 0;
-    const int64_t tps = (tiles + sp.nsplit - 1) / sp.nsplit;
-    const int64_t s0 = jb + split * tps * BN;
-    je = min(je, s0 + tps * BN);
-    jb = s0;
-  }
+  const KeyRange kr = key_range<BM, BN>(a, sp, split, m0, rows_total, g);
+  const int64_t q_min = kr.q_min, q_max = kr.q_max;
+  int64_t jb = kr.jb, je = kr.je;
   int64_t qp[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
