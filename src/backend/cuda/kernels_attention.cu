@@ -395,6 +395,31 @@ __global__ void __launch_bounds__(kThreads, 1) attention_k(AttentionArgs a, Spli
                      m_r, l_r, [&](int t, int c) { return o[t][c]; });
 }
 
+// Key j's row of kv head kvh from head-dim column col0: in the ring cache (j < n_old, slot (first_pos + j) % cap;
+// fp_mod = first_pos % cap) or among the new keys.
+__device__ __forceinline__ const bf16* key_row(const bf16* cache, const bf16* fresh, const AttentionArgs& a, int D,
+                                               int kvh, int col0, int64_t j, int64_t fp_mod) {
+  if (j < a.n_old) {
+    int64_t slot = fp_mod + j;
+    while (slot >= a.cap) slot -= a.cap;
+    return cache + (size_t(slot) * a.nkv + kvh) * D + col0;
+  }
+  return fresh + (size_t(j - a.n_old) * a.nkv + kvh) * D + col0;
+}
+// Keys j0 .. j0 + 63 as one strided run in one tensor (all valid, no ring wrap, not across the cache / new
+// boundary): the first one's row (as key_row), else null. The tile loaders' fast path.
+__device__ __forceinline__ const bf16* contiguous_keys(const bf16* cache, const bf16* fresh, const AttentionArgs& a,
+                                                       int D, int kvh, int col0, int64_t j0, int64_t je,
+                                                       int64_t fp_mod) {
+  if (j0 + 64 > je) return nullptr;
+  if (j0 + 64 <= a.n_old) {
+    int64_t s0 = fp_mod + j0;
+    if (s0 >= a.cap) s0 -= a.cap;
+    return s0 + 64 <= a.cap ? cache + (size_t(s0) * a.nkv + kvh) * D + col0 : nullptr;
+  }
+  return j0 >= a.n_old ? fresh + (size_t(j0 - a.n_old) * a.nkv + kvh) * D + col0 : nullptr;
+}
+
 // ---- shared by the wgmma kernels ------------------------------------------------------------------------------------
 // One 64-key x W-column bf16 tile (K or V rows j0 .. j0 + 63 of kv head kvh, head-dim columns col0 .. col0 + W - 1;
 // rows at or past je zero-filled) into the no-swizzle core-matrix layout (16 W bytes per 8-row group): 16-byte chunk
@@ -408,16 +433,7 @@ __device__ __forceinline__ void load_tile(unsigned char* dst, const bf16* cache,
   constexpr int kChunks = 64 * W / 8 / kThreads;
   // Fast path (all but the boundary tiles): the 64 keys are valid and contiguous in one tensor (no ring wrap, not
   // across the cache / new boundary), so a row's address is the tile's plus r rows.
-  const bf16* tb = nullptr;
-  if (j0 + 64 <= je) {
-    if (j0 + 64 <= a.n_old) {
-      int64_t s0 = fp_mod + j0;
-      if (s0 >= a.cap) s0 -= a.cap;
-      if (s0 + 64 <= a.cap) tb = cache + (size_t(s0) * a.nkv + kvh) * D + col0;
-    } else if (j0 >= a.n_old) {
-      tb = fresh + (size_t(j0 - a.n_old) * a.nkv + kvh) * D + col0;
-    }
-  }
+  const bf16* tb = contiguous_keys(cache, fresh, a, D, kvh, col0, j0, je, fp_mod);
   if (tb) {  // chunk k of this thread: row r0 + k * (2048 / W), the same column chunk; 4096 bytes further in smem
     static_assert(W <= 256 && 256 % W == 0, "");
     const int lo = tid & 15, hi = tid >> 4;
@@ -435,16 +451,7 @@ __device__ __forceinline__ void load_tile(unsigned char* dst, const bf16* cache,
     const int r = (hi / (W / 16)) * 8 + (lo & 7), c8 = (hi % (W / 16)) * 2 + (lo >> 3);
     const int64_t j = j0 + r;
     const bool ok = j < je;
-    const bf16* src = fresh;
-    if (ok) {
-      if (j < a.n_old) {
-        int64_t slot = fp_mod + j;
-        while (slot >= a.cap) slot -= a.cap;
-        src = cache + (size_t(slot) * a.nkv + kvh) * D + col0 + c8 * 8;
-      } else {
-        src = fresh + (size_t(j - a.n_old) * a.nkv + kvh) * D + col0 + c8 * 8;
-      }
-    }
+    const bf16* src = ok ? key_row(cache, fresh, a, D, kvh, col0, j, fp_mod) + c8 * 8 : fresh;
     cp_async16(dst + (r >> 3) * (W * 16) + c8 * 128 + (r & 7) * 16, src, ok);
   }
 }
@@ -822,16 +829,7 @@ __device__ __forceinline__ void ws_load_tile(unsigned char* dst, const bf16* cac
                                              const AttentionArgs& a, int D, int kvh, int col0, int64_t j0, int64_t je,
                                              int64_t fp_mod, int t) {
   constexpr int kChunks = 64 * W / 8 / NTH;
-  const bf16* tb = nullptr;
-  if (j0 + 64 <= je) {
-    if (j0 + 64 <= a.n_old) {
-      int64_t s0 = fp_mod + j0;
-      if (s0 >= a.cap) s0 -= a.cap;
-      if (s0 + 64 <= a.cap) tb = cache + (size_t(s0) * a.nkv + kvh) * D + col0;
-    } else if (j0 >= a.n_old) {
-      tb = fresh + (size_t(j0 - a.n_old) * a.nkv + kvh) * D + col0;
-    }
-  }
+  const bf16* tb = contiguous_keys(cache, fresh, a, D, kvh, col0, j0, je, fp_mod);
   if (tb) {
     const size_t rstride = size_t(a.nkv) * D;
 #pragma unroll(NTH >= 256 ? kChunks : 1)
@@ -848,16 +846,7 @@ __device__ __forceinline__ void ws_load_tile(unsigned char* dst, const bf16* cac
     ws_rc<SW, W, 64>(t + NTH * k, r, c8, off);
     const int64_t j = j0 + r;
     const bool ok = j < je;
-    const bf16* src = fresh;
-    if (ok) {
-      if (j < a.n_old) {
-        int64_t slot = fp_mod + j;
-        while (slot >= a.cap) slot -= a.cap;
-        src = cache + (size_t(slot) * a.nkv + kvh) * D + col0 + c8 * 8;
-      } else {
-        src = fresh + (size_t(j - a.n_old) * a.nkv + kvh) * D + col0 + c8 * 8;
-      }
-    }
+    const bf16* src = ok ? key_row(cache, fresh, a, D, kvh, col0, j, fp_mod) + c8 * 8 : fresh;
     cp_async16(dst + off, src, ok);
   }
 }
