@@ -9,7 +9,7 @@
 //   attention_k<D>        everything else (other GPUs, other head dims): mma.sync m16n8k16, described here.
 // All of them: f32 online softmax, P rounded to bf16 for the P.V product (as HF's eager path does), the row sum from the
 // unrounded f32 p, the same split-KV with a fixed-order combine; bitwise deterministic (results differ from one kernel
-// to another by the tensor cores' summation order, and the wgmma kernels' exp is ex2(s log2 e - m log2 e), kFoldExp).
+// to another by the tensor cores' summation order, and the wgmma kernels' exp is ex2(s log2 e - m log2 e), mask_softmax).
 //
 // The two wgmma kernels (below) run a software pipeline, FA3's intra-warpgroup overlap: iteration i issues
 // S(i) = Q K(i)^T and O += P(i-1) V(i-1) back to back, waits for S(i) only, and does the (D = 512: S exchange and)
@@ -483,8 +483,6 @@ __device__ __forceinline__ void load_q_tile(unsigned char* dst, const AttentionA
 // The wgmma loops issue the cp.async loads of K(i+1) right after the wgmmas of iteration i; V(i) with them
 // (kLateV false) or after the softmax of tile i (true: the softmax starts sooner, V has less time to land).
 [[maybe_unused]] constexpr bool kLateV = false;
-// mask_softmax: exp(s - m) as one FFMA + ex2.approx (true), or __expf(s - m) as the kernels before (false).
-[[maybe_unused]] constexpr bool kFoldExp = true;
 
 // Mask (keys past je; causal / window outside the tile's fully visible part) and the online softmax of one S tile in
 // wgmma accumulator order (s[4 t + e]: key 8 t + 2 tig + (e & 1), row grp + 8 (e >> 1) of the warp's 16): row max
@@ -507,64 +505,39 @@ __device__ __forceinline__ void mask_softmax(float (&s)[NT * 4], float (&alpha)[
         if (!ok) s[t * 4 + e] = -INFINITY;
       }
   }
-  if constexpr (kFoldExp) {
-    // exp(x - m) as ex2(x log2 e - m log2 e): one FFMA + MUFU per element (s = -inf -> ex2(-inf) = 0; a row with
-    // no visible key yet (m = -inf) uses 0 for the max); max and sum in two independent chains.
-    constexpr float kL2e = 1.4426950408889634f;
-    auto ex2_approx = [](float x) {
-      float y;
-      asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-      return y;
-    };
+  // exp(x - m) as ex2(x log2 e - m log2 e): one FFMA + MUFU per element (s = -inf -> ex2(-inf) = 0; a row with
+  // no visible key yet (m = -inf) uses 0 for the max); max and sum in two independent chains.
+  constexpr float kL2e = 1.4426950408889634f;
+  auto ex2_approx = [](float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+  };
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx0 = -INFINITY, mx1 = -INFINITY;
+  for (int h = 0; h < 2; ++h) {
+    float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-      for (int t = 0; t < NT; t += 2) {
-        mx0 = fmaxf(mx0, fmaxf(s[t * 4 + 2 * h], s[t * 4 + 2 * h + 1]));
-        mx1 = fmaxf(mx1, fmaxf(s[t * 4 + 4 + 2 * h], s[t * 4 + 4 + 2 * h + 1]));
-      }
-      float mx = fmaxf(mx0, mx1);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_r[h], mx);
-      const float mb = m_new == -INFINITY ? 0.0f : m_new * kL2e;
-      alpha[h] = 1.0f;
-      if (m_new != -INFINITY) alpha[h] = m_r[h] == -INFINITY ? 0.0f : ex2_approx(m_r[h] * kL2e - mb);
-      m_r[h] = m_new;
-      float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const float p0 = ex2_approx(s[t * 4 + 2 * h] * kL2e - mb), p1 = ex2_approx(s[t * 4 + 2 * h + 1] * kL2e - mb);
-        s[t * 4 + 2 * h] = p0, s[t * 4 + 2 * h + 1] = p1;
-        if (t & 1) sum1 += p0 + p1;
-        else sum0 += p0 + p1;
-      }
-      l_r[h] = l_r[h] * alpha[h] + (sum0 + sum1);
+    for (int t = 0; t < NT; t += 2) {
+      mx0 = fmaxf(mx0, fmaxf(s[t * 4 + 2 * h], s[t * 4 + 2 * h + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[t * 4 + 4 + 2 * h], s[t * 4 + 4 + 2 * h + 1]));
     }
-  } else {
+    float mx = fmaxf(mx0, mx1);
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_r[h], mx);
+    const float mb = m_new == -INFINITY ? 0.0f : m_new * kL2e;
+    alpha[h] = 1.0f;
+    if (m_new != -INFINITY) alpha[h] = m_r[h] == -INFINITY ? 0.0f : ex2_approx(m_r[h] * kL2e - mb);
+    m_r[h] = m_new;
+    float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int t = 0; t < NT; ++t) mx = fmaxf(mx, fmaxf(s[t * 4 + 2 * h], s[t * 4 + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_r[h], mx);
-      alpha[h] = 1.0f;
-      if (m_new != -INFINITY) alpha[h] = m_r[h] == -INFINITY ? 0.0f : __expf(m_r[h] - m_new);
-      m_r[h] = m_new;
-      float sum = 0.0f;
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          const float p = s[t * 4 + e] == -INFINITY ? 0.0f : __expf(s[t * 4 + e] - m_new);
-          sum += p;
-          s[t * 4 + e] = p;
-        }
-      l_r[h] = l_r[h] * alpha[h] + sum;
+    for (int t = 0; t < NT; ++t) {
+      const float p0 = ex2_approx(s[t * 4 + 2 * h] * kL2e - mb), p1 = ex2_approx(s[t * 4 + 2 * h + 1] * kL2e - mb);
+      s[t * 4 + 2 * h] = p0, s[t * 4 + 2 * h + 1] = p1;
+      if (t & 1) sum1 += p0 + p1;
+      else sum0 += p0 + p1;
     }
+    l_r[h] = l_r[h] * alpha[h] + (sum0 + sum1);
   }
 }
 
