@@ -541,6 +541,25 @@ __device__ __forceinline__ void mask_softmax(float (&s)[NT * 4], float (&alpha)[
   }
 }
 
+// After a tile's softmax (wgmma accumulator order): O rescaled by alpha (skipped while no row of the warp has a new
+// max), and P rounded to bf16 into the A fragments of the P.V wgmma.
+template <int NO, int NS, int NP>
+__device__ __forceinline__ void rescale_o_pack_p(float (&o)[NO], const float (&alpha)[2], const float (&s)[NS],
+                                                 uint32_t (&pa)[NP][4]) {
+  static_assert(NO % 4 == 0 && NS == 8 * NP, "wgmma accumulator shapes");
+  if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+    for (int t = 0; t < NO / 4; ++t) {
+      o[t * 4 + 0] *= alpha[0], o[t * 4 + 1] *= alpha[0];
+      o[t * 4 + 2] *= alpha[1], o[t * 4 + 3] *= alpha[1];
+    }
+  }
+#pragma unroll
+  for (int kc = 0; kc < NP; ++kc)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) pa[kc][r] = pack_bf16(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
+}
+
 // ---- wgmma path (sm_90a), D = 256 ---------------------------------------------------------------------------------
 // A block is 2 warpgroups, each owning 64 rows (BM = 128), O = 64 x 256 f32 (128 registers / thread). S = Q K^T:
 // wgmma m64n64k16 with Q and K from shared memory (K-major); O += P V: wgmma m64n256k16 with P (bf16, the S
@@ -722,17 +741,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
     cp_async_commit();
     wg_wait<0>();
     reg_fence(o);
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-      for (int t = 0; t < OT; ++t) {
-        o[t * 4 + 0] *= alpha[0], o[t * 4 + 1] *= alpha[0];
-        o[t * 4 + 2] *= alpha[1], o[t * 4 + 3] *= alpha[1];
-      }
-    }
-#pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) pa[kc][r] = pack_bf16(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
+    rescale_o_pack_p(o, alpha, s, pa);
   }
   if (ntiles > 0) {  // O += P(last) V(last)
     cp_async_wait<0>();
@@ -988,17 +997,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       wg_wait<0>();
       reg_fence(o);
       if (i > 0 && lane == 0) mbar_arrive(empty_v(int((i - 1) & 1)));
-      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-        for (int t = 0; t < OT; ++t) {
-          o[t * 4 + 0] *= alpha[0], o[t * 4 + 1] *= alpha[0];
-          o[t * 4 + 2] *= alpha[1], o[t * 4 + 3] *= alpha[1];
-        }
-      }
-#pragma unroll
-      for (int kc = 0; kc < BN / 16; ++kc)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) pa[kc][r] = pack_bf16(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
+      rescale_o_pack_p(o, alpha, s, pa);
     }
     if constexpr (kWsPingPong) {  // warpgroup 1's last arrive on barrier 2 (1 + ntiles arrives, ntiles syncs so far)
       if (wg == 0) asm volatile("bar.sync 2, 256;\n" ::: "memory");
@@ -1211,17 +1210,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
     cp_async_commit();
     wg_wait<0>();
     reg_fence(o);
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-      for (int t = 0; t < OT; ++t) {
-        o[t * 4 + 0] *= alpha[0], o[t * 4 + 1] *= alpha[0];
-        o[t * 4 + 2] *= alpha[1], o[t * 4 + 3] *= alpha[1];
-      }
-    }
-#pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) pa[kc][r] = pack_bf16(s[8 * kc + 2 * r], s[8 * kc + 2 * r + 1]);
+    rescale_o_pack_p(o, alpha, s, pa);
   }
   if (ntiles > 0) {  // O += P(last) V(last)
     cp_async_wait<0>();
