@@ -9,7 +9,8 @@
 //   attention_k<D>        everything else (other GPUs, other head dims): mma.sync m16n8k16, described here.
 // All of them: f32 online softmax, P rounded to bf16 for the P.V product (as HF's eager path does), the row sum from the
 // unrounded f32 p, the same split-KV with a fixed-order combine; bitwise deterministic (results differ from one kernel
-// to another by the tensor cores' summation order, and the wgmma kernels' exp is ex2(s log2 e - m log2 e), mask_softmax).
+// to another by the tensor cores' summation order, and the wgmma kernels' exp is ex2(s log2 e - m log2 e):
+// mask_softmax).
 //
 // The two wgmma kernels (below) run a software pipeline, FA3's intra-warpgroup overlap: iteration i issues
 // S(i) = Q K(i)^T and O += P(i-1) V(i-1) back to back, waits for S(i) only, and does the (D = 512: S exchange and)
@@ -397,8 +398,10 @@ __global__ void __launch_bounds__(kThreads, 1) attention_k(AttentionArgs a, Spli
 
 // Key j's row of kv head kvh from head-dim column col0: in the ring cache (j < n_old, slot (first_pos + j) % cap;
 // fp_mod = first_pos % cap) or among the new keys.
-__device__ __forceinline__ const bf16* key_row(const bf16* cache, const bf16* fresh, const AttentionArgs& a, int D,
-                                               int kvh, int col0, int64_t j, int64_t fp_mod) {
+// (Unused where the wgmma kernels compile to nothing: sm_80 / sm_89 builds.)
+[[maybe_unused]] __device__ __forceinline__ const bf16* key_row(const bf16* cache, const bf16* fresh,
+                                                                const AttentionArgs& a, int D, int kvh, int col0,
+                                                                int64_t j, int64_t fp_mod) {
   if (j < a.n_old) {
     int64_t slot = fp_mod + j;
     while (slot >= a.cap) slot -= a.cap;
@@ -408,9 +411,10 @@ __device__ __forceinline__ const bf16* key_row(const bf16* cache, const bf16* fr
 }
 // Keys j0 .. j0 + 63 as one strided run in one tensor (all valid, no ring wrap, not across the cache / new
 // boundary): the first one's row (as key_row), else null. The tile loaders' fast path.
-__device__ __forceinline__ const bf16* contiguous_keys(const bf16* cache, const bf16* fresh, const AttentionArgs& a,
-                                                       int D, int kvh, int col0, int64_t j0, int64_t je,
-                                                       int64_t fp_mod) {
+[[maybe_unused]] __device__ __forceinline__ const bf16* contiguous_keys(const bf16* cache, const bf16* fresh,
+                                                                        const AttentionArgs& a, int D, int kvh,
+                                                                        int col0, int64_t j0, int64_t je,
+                                                                        int64_t fp_mod) {
   if (j0 + 64 > je) return nullptr;
   if (j0 + 64 <= a.n_old) {
     int64_t s0 = fp_mod + j0;
