@@ -8,6 +8,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu_ops.h"
@@ -15,6 +16,7 @@
 #include "backend/cuda/cuda_device.h"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/pdl.h"
 #include "util/dtype.h"
 
 namespace dg::cuda {
@@ -573,6 +575,189 @@ TEST(CudaKernels, MoePaddedExperts) {
     }
     EXPECT_LE(rel_err(out.get(), moe_reference(x, gu, dn, wts, idx, T, E, k, H, I)), 1e-2)
         << "T " << T << " E " << E << " H " << H << " M " << M;
+  }
+}
+
+// The Hopper TMA expert kernels of the padded path (gate_up + GELU, then down; kernels_experts_tma.cu) against a
+// CPU double reference and against the cuBLASLt path (linear_batched f32 + moe_gelu_mul_padded, linear_batched) on
+// moe_group_padded's rows: every valid row checked; padding rows (poisoned NaN in xs and act) must neither leak into
+// valid outputs nor be written; overflow rows (past 32) are not their job. random_routing leaves expert 1 empty
+// (E > k + 1), which is also some block's FIRST tile (run regardless: its weights are requested before the PDL
+// wait). Bitwise equal across: a repeat run, a launch on 5 SMs (the 8-stage ring), PDL off, and an L2 prefetch.
+// Awkward sizes: nk = K / 64 below the ring depth (down with I = 64: one k slice), one tile per expert, persistent
+// blocks over many tiles (the real shape). Skips where the kernels do not run (not an sm_90 GPU with the sm_90a image).
+TEST(CudaKernels, MoeExpertsPaddedTma) {
+  REQUIRE_GPU();
+  constexpr int M = 32;
+  Gemm gemm;
+  for (auto [T, E, k, H, I] : {std::tuple{256, 128, 8, 2816, 704}, std::tuple{32, 128, 8, 2816, 704},
+                               std::tuple{20, 5, 2, 256, 64}, std::tuple{100, 3, 1, 384, 128},
+                               std::tuple{50, 7, 3, 128, 192}}) {
+    if (!experts_tma_supported(M, H, I)) GTEST_SKIP() << "the TMA expert kernels need an sm_90 GPU (sm_90a image)";
+    auto x = rnd(size_t(T) * H), gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
+    auto idx = random_routing(T, E, k);
+    const size_t rows = size_t(E) * M + idx.size();
+    Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(rows * H), act(rows * I), act2(rows * I);
+    Dev<bf16> act3(rows * I), act4(rows * I), act5(rows * I), act_lt(rows * I);
+    Dev<int32_t> didx(idx.size()), ovf(size_t(E) + 1), spos(idx.size()), meta(2 * size_t(E) + 1);
+    Dev<float> y(rows * H), y2(rows * H), y3(rows * H), y4(rows * H), y5(rows * H), y_lt(rows * H), g(rows * 2 * I);
+    dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx);
+    moe_group_padded(didx.p, T, k, E, dx.p, H, M, ovf.p, spos.p, xs.p, nullptr, meta.p);
+    const TmaMap wgu = tma_map_bf16_rows(dgu.p, int64_t(E) * 2 * I, H, 64), xm = tma_map_bf16_rows(xs.p, int64_t(E) * M, H, M);
+    const TmaMap wdn = tma_map_bf16_rows(ddn.p, int64_t(E) * H, I, 64), am = tma_map_bf16_rows(act.p, int64_t(E) * M, I, M);
+    const int32_t* valid = meta.p + 1 + E;
+    ASSERT_TRUE(pdl_enabled());
+    moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act2.p, nullptr, /*sms=*/5);
+    moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act.p, nullptr);
+    moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act3.p, nullptr);                       // repeat
+    moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act5.p, nullptr, 0, /*l2_prefetch=*/6);  // + L2 prefetch
+    moe_down_padded_tma(wdn, am, valid, E, H, I, y2.p, nullptr, /*sms=*/5);
+    moe_down_padded_tma(wdn, am, valid, E, H, I, y.p, nullptr);
+    moe_down_padded_tma(wdn, am, valid, E, H, I, y3.p, nullptr);
+    moe_down_padded_tma(wdn, am, valid, E, H, I, y5.p, nullptr, 0, /*l2_prefetch=*/6);
+    set_pdl(false);
+    moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act4.p, nullptr);
+    moe_down_padded_tma(wdn, am, valid, E, H, I, y4.p, nullptr);
+    set_pdl(true);
+    // cuBLASLt: f32 gate/up + the GELU pass; down from the TMA kernel's own act (so each kernel is checked alone)
+    gemm.linear_batched(xs.p, Dt::BF16, M, dgu.p, Dt::BF16, 2 * I, H, g.p, Dt::F32, E, nullptr);
+    moe_gelu_mul_padded(g.p, E, M, I, meta.p, act_lt.p, nullptr);
+    gemm.linear_batched(act.p, Dt::BF16, M, ddn.p, Dt::BF16, H, I, y_lt.p, Dt::F32, E, nullptr);
+    const auto a1 = act.get(), a2 = act2.get(), a3 = act3.get(), a4 = act4.get(), a5 = act5.get();
+    const auto y1 = y.get(), yb = y2.get(), yc = y3.get(), yd = y4.get(), ye = y5.get();
+    const auto mt = meta.get();
+    const auto hx = from_bf16(xs.get()), ha = from_bf16(a1), hlt = from_bf16(act_lt.get());
+    const auto ylt = y_lt.get();
+    std::vector<float> got_a, want_a, lt_a, got_y, want_y, lt_y;
+    int64_t padding_written = 0;
+    int empty_experts = 0;
+    for (int e = 0; e < E; ++e) {
+      const int n = mt[size_t(1 + E + e)];
+      empty_experts += n == 0;
+      for (int t = 0; t < M; ++t) {
+        const size_t row = size_t(e) * M + t;
+        if (t >= n) {
+          for (int i = 0; i < I; ++i) {
+            uint16_t b;
+            std::memcpy(&b, &a1[row * I + i], 2);
+            padding_written += b != 0xFFFF;
+          }
+          for (int h = 0; h < H; ++h) {
+            uint32_t b;
+            std::memcpy(&b, &y1[row * H + h], 4);
+            padding_written += b != 0xFFFFFFFFu;
+          }
+          continue;
+        }
+        for (int i = 0; i < I; ++i) {
+          double gg = 0, u = 0;
+          for (int h = 0; h < H; ++h) {
+            const double xv = hx[row * H + h];
+            gg += xv * gu[(size_t(e) * 2 * I + i) * H + h];
+            u += xv * gu[(size_t(e) * 2 * I + I + i) * H + h];
+          }
+          want_a.push_back(float(double(cpu::gelu_tanh(float(gg))) * u));
+          got_a.push_back(ha[row * I + i]);
+          lt_a.push_back(hlt[row * I + i]);
+        }
+        for (int h = 0; h < H; ++h) {
+          double acc = 0;
+          for (int i = 0; i < I; ++i) acc += double(ha[row * I + i]) * dn[(size_t(e) * H + h) * I + i];
+          want_y.push_back(float(acc));
+          got_y.push_back(y1[row * H + h]);
+          lt_y.push_back(ylt[row * H + h]);
+        }
+      }
+    }
+    int overflow = 0;
+    {
+      std::vector<int> cnt(size_t(E), 0);
+      for (int e : idx) ++cnt[size_t(e)];
+      for (int c : cnt) overflow += std::max(0, c - M);
+    }
+    const std::string what = "T " + std::to_string(T) + " E " + std::to_string(E) + " H " + std::to_string(H) +
+                             " I " + std::to_string(I);
+    ASSERT_FALSE(want_a.empty());
+    EXPECT_GT(empty_experts, 0) << "routing meant to leave an expert empty does not, " << what;
+    EXPECT_LE(rel_err(got_a, want_a), 1e-2) << "gate_up vs CPU, " << what;
+    EXPECT_LE(rel_err(got_y, want_y), 1e-3) << "down vs CPU, " << what;
+    EXPECT_LE(rel_err(got_a, lt_a), 1e-2) << "gate_up vs cuBLASLt + GELU pass, " << what;
+    EXPECT_LE(rel_err(got_y, lt_y), 1e-4) << "down vs cuBLASLt, " << what;
+    EXPECT_EQ(padding_written, 0) << "padding rows of act / y written, " << what;
+    auto same = [](const auto& u, const auto& v) {
+      return u.size() == v.size() && std::memcmp(u.data(), v.data(), u.size() * sizeof(u[0])) == 0;
+    };
+    EXPECT_TRUE(same(a1, a2)) << "gate_up: 5 SMs vs all, " << what;
+    EXPECT_TRUE(same(a1, a3)) << "gate_up: repeat, " << what;
+    EXPECT_TRUE(same(a1, a4)) << "gate_up: PDL off, " << what;
+    EXPECT_TRUE(same(a1, a5)) << "gate_up: L2 prefetch, " << what;
+    EXPECT_TRUE(same(y1, yb)) << "down: 5 SMs vs all, " << what;
+    EXPECT_TRUE(same(y1, yc)) << "down: repeat, " << what;
+    EXPECT_TRUE(same(y1, yd)) << "down: PDL off, " << what;
+    EXPECT_TRUE(same(y1, ye)) << "down: L2 prefetch, " << what;
+    if (E == 3) {
+      EXPECT_GT(overflow, 0) << "the case meant to overflow does not";
+    }
+  }
+}
+
+// The PDL contract of the TMA expert kernels: they may start while their predecessor still runs and stream their
+// weights then, but must read nothing the predecessor writes (token rows, row counts) and write nothing before
+// griddepcontrol.wait. The predecessor here (delayed_copy_for_test) triggers its dependents at once, sleeps, and only
+// then writes xs and meta into buffers poisoned with 0xFF (NaN token rows; -1 row counts, which would make the
+// kernels skip every tile): gate_up then down, back to back on one stream, must match bitwise a run on the same
+// inputs written long before. A kernel that read xs / meta early, or a down that read act before gate_up finished,
+// leaves NaN or unwritten rows. Several delays (the second kernel can also start during the first's sleep) and the
+// 5-SM launch (8-stage ring). Skips where the kernels do not run.
+TEST(CudaKernels, MoeExpertsPaddedTmaLatePredecessor) {
+  REQUIRE_GPU();
+  constexpr int M = 32;
+  for (auto [T, E, k, H, I] : {std::tuple{20, 5, 2, 256, 64}, std::tuple{256, 128, 8, 2816, 704}}) {
+    if (!experts_tma_supported(M, H, I)) GTEST_SKIP() << "the TMA expert kernels need an sm_90 GPU (sm_90a image)";
+    ASSERT_TRUE(pdl_enabled());
+    auto x = rnd(size_t(T) * H), gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
+    auto idx = random_routing(T, E, k);
+    const size_t rows = size_t(E) * M + idx.size(), n_meta = 2 * size_t(E) + 1;
+    Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs_src(rows * H), xs(rows * H), act(rows * I);
+    Dev<int32_t> didx(idx.size()), ovf(size_t(E) + 1), spos(idx.size()), meta_src(n_meta), meta(n_meta);
+    Dev<float> y(rows * H);
+    dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx);
+    moe_group_padded(didx.p, T, k, E, dx.p, H, M, ovf.p, spos.p, xs_src.p, nullptr, meta_src.p);
+    const TmaMap wgu = tma_map_bf16_rows(dgu.p, int64_t(E) * 2 * I, H, 64), xm = tma_map_bf16_rows(xs.p, int64_t(E) * M, H, M);
+    const TmaMap wdn = tma_map_bf16_rows(ddn.p, int64_t(E) * H, I, 64), am = tma_map_bf16_rows(act.p, int64_t(E) * M, I, M);
+    const int32_t* valid = meta.p + 1 + E;
+    // reference: inputs in place long before, one kernel at a time
+    CUDA_CHECK(cudaMemcpy(xs.p, xs_src.p, rows * H * sizeof(bf16), cudaMemcpyDeviceToDevice));
+    CUDA_CHECK(cudaMemcpy(meta.p, meta_src.p, n_meta * sizeof(int32_t), cudaMemcpyDeviceToDevice));
+    moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act.p, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    moe_down_padded_tma(wdn, am, valid, E, H, I, y.p, nullptr);
+    const auto act_ref = act.get();
+    const auto y_ref = y.get();
+    cudaStream_t st;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    int run = 0;
+    for (int sms : {0, 5}) {
+      for (int delay_us : {3000, 300, 30, 0}) {
+        CUDA_CHECK(cudaMemsetAsync(xs.p, 0xff, rows * H * sizeof(bf16), st));
+        CUDA_CHECK(cudaMemsetAsync(meta.p, 0xff, n_meta * sizeof(int32_t), st));
+        CUDA_CHECK(cudaMemsetAsync(act.p, 0xff, rows * I * sizeof(bf16), st));
+        CUDA_CHECK(cudaMemsetAsync(y.p, 0xff, rows * H * sizeof(float), st));
+        delayed_copy_for_test(xs_src.p, xs.p, rows * H * sizeof(bf16), meta_src.p, meta.p, n_meta * sizeof(int32_t),
+                              delay_us, st);
+        moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act.p, st, sms, run % 2 == 0 ? 0 : 4);
+        moe_down_padded_tma(wdn, am, valid, E, H, I, y.p, st, sms, run % 2 == 0 ? 0 : 4);
+        CUDA_CHECK(cudaStreamSynchronize(st));
+        const auto a = act.get();
+        const auto yy = y.get();
+        EXPECT_EQ(std::memcmp(a.data(), act_ref.data(), a.size() * sizeof(bf16)), 0)
+            << "gate_up after a late predecessor: delay " << delay_us << " us, sms " << sms << ", E " << E;
+        EXPECT_EQ(std::memcmp(yy.data(), y_ref.data(), yy.size() * sizeof(float)), 0)
+            << "down after gate_up after a late predecessor: delay " << delay_us << " us, sms " << sms << ", E " << E;
+        ++run;
+      }
+    }
+    CUDA_CHECK(cudaStreamDestroy(st));
   }
 }
 

@@ -165,6 +165,38 @@ inline int moe_padded_rows_per_expert(int T, int k, int E) {
   const int mean = (T * k + E - 1) / E, m = 2 * mean > 16 ? 2 * mean : 16;
   return (m + 15) / 16 * 16;
 }
+// Hopper TMA descriptor (an opaque CUtensorMap), built once on the host and passed to kernels by value.
+struct alignas(128) TmaMap {
+  unsigned char bytes[128];
+};
+// (kernels_experts_tma.cu) Whether moe_gate_up_padded_tma / moe_down_padded_tma run here: an sm_90 device with the
+// sm_90a image loaded, M == 32 padded rows per expert, H a multiple of 128, I of 64.
+bool experts_tma_supported(int M, int H, int I);
+// 2D map over a row-major bf16 [rows, cols] matrix (cols a multiple of 64), boxes of 64 columns x box_rows rows,
+// 128-byte swizzle.
+TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows);
+// The padded path's expert GEMMs on TMA + wgmma, for the rows t < rows[e] of each expert's 32-row block (rows =
+// meta + 1 + E of moe_group_padded); other rows of the outputs are not written. Same arithmetic as the cuBLASLt f32
+// GEMMs (+ moe_gelu_mul_padded) up to the order of the f32 sums.
+//   gate_up: act[e 32 + t] = bf16(gelu_tanh(gate) * up), w = tma_map_bf16_rows(Wgu, E 2I, H, 64),
+//            xs = tma_map_bf16_rows(xs, E 32, H, 32)
+//   down:    y[e 32 + t] = act . Wd[e]^T (f32), w = tma_map_bf16_rows(Wd, E H, I, 64), act = tma_map_bf16_rows(act,
+//            E 32, I, 32)
+// sms > 0 (below the device's count): at most that many blocks, one per SM, leaving the other SMs to a concurrent
+// stream (the dense MLP); 0: two blocks on every SM. The result does not depend on it.
+// Launched with PDL (launch.cuh): each block requests its first ring stages' weights (constants) before
+// griddepcontrol.wait, everything else after it; l2_prefetch_slices > 0 also prefetches that many further 64-wide k
+// slices of its first tile's weights into L2 before the wait. The weight buffers must not be written by the stream's
+// preceding kernels (they never are: they are the checkpoint's). The result does not depend on either.
+void moe_gate_up_padded_tma(const TmaMap& w, const TmaMap& xs, const int32_t* rows, int E, int H, int I, bf16* act,
+                            cudaStream_t s, int sms = 0, int l2_prefetch_slices = 0);
+void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
+                         cudaStream_t s, int sms = 0, int l2_prefetch_slices = 0);
+// Test support (kernels_experts_tma.cu): a PDL-launched kernel that triggers its dependents at once, sleeps
+// delay_us, then copies src0 -> dst0 and src1 -> dst1 (bytes): a predecessor that writes its outputs late, so that a
+// PDL kernel after it which read them before griddepcontrol.wait would see stale data.
+void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const void* src1, void* dst1, size_t bytes1,
+                           int delay_us, cudaStream_t s);
 // Grouped expert GEMMs over rows grouped by expert (offsets [E+1], rows [0, P)):
 //   act[r, :] = gelu_tanh(xs[r] . Wgu[e, 0:I]^T) * (xs[r] . Wgu[e, I:2I]^T)     Wgu: [E, 2I, H]
 //   y[r, :] = act[r] . Wd[e]^T                                                 Wd:  [E, H, I]  (f32 out)

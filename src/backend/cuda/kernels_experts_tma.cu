@@ -1,0 +1,435 @@
+// Hopper (sm_90a) expert GEMMs for canvas-sized passes, on the padded layout of moe_group_padded with M = 32 rows per
+// expert: gate_up with act = bf16(gelu_tanh(gate) * up) formed from the f32 accumulators in registers (neither an f32
+// gate/up buffer nor a separate GELU pass), and down (f32 y). One kernel template for both.
+//
+// Layout of a block (160 threads): warps 0-3 are one consumer warpgroup issuing wgmma in the "swap AB" form (the
+// expert's weights are the M side, its 32 token rows the N side: wgmma.m64n32k16); warp 4 is the producer, one
+// thread issuing every TMA load (2D tensor maps, 128B swizzle) into a 4-stage mbarrier ring. A tile is 128 weight rows of one
+// expert (gate_up: 64 gate rows n0..n0+63 and the matching 64 up rows; down: 128 consecutive output rows); a stage is
+// one 64-wide k slice of them (2 x 8 KB) plus the expert's 32 x 64 token box (4 KB). Blocks are persistent (2 per SM, or 1 per SM on a
+// given number of SMs) and stride over the tiles, the ring running on
+// across tiles, so the next tile's loads overlap this tile's epilogue. Experts with 0 rows are skipped (no weight
+// reads). Every output element is computed by one block in a fixed k order: bitwise deterministic.
+//
+// Padding rows (t >= rows of the expert) hold whatever the buffer held: a wgmma output column depends only on its own
+// token row, and those columns are never stored.
+//
+// H200, one layer at E 128 / H 2816 / I 704 (tools/gpu/microbench/experts_wgmma_bench.cu, 2026-11-30): gate_up
+// 0.250 ms (4.06 TB/s of weights) against cuBLASLt bf16-out 0.250 ms before the f32 write and GELU pass the cuBLASLt
+// path adds; down 0.137-0.144 ms, as cuBLASLt. A plain read of the same bytes takes 0.229 / 0.119 ms. Weights
+// repacked into stream order (16 KB contiguous per stage) reached 0.245 / 0.136 ms: not done, the grouped kernels of
+// prefill and overflow rows read the checkpoint layout.
+//
+// Programmatic dependent launch (wip/tma-experts-pdl, NOT yet measured on a GPU): both kernels are launched with the
+// PDL attribute and trigger at once, and the producer requests the first stages' WEIGHT boxes before
+// griddepcontrol.wait. The weights are constants, independent of the router (at 256 tokens x top 8 of 128 every
+// expert is used every step), so the launch gap after the gather (gate_up) or after gate_up (down) and the ring's
+// ramp can overlap the predecessor's tail. Everything the predecessor writes (the token rows, the per-expert row
+// counts) is read only after the wait, and nothing is written before it. The aim: the ~4.6 / ~6.9 us gaps a layer
+// before the cuBLASLt expert GEMMs (which cannot be PDL-launched), plus each GEMM's ramp.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/cuda_util.cuh"
+#include "backend/cuda/launch.cuh"
+
+namespace dg::cuda {
+
+static_assert(sizeof(TmaMap) == sizeof(CUtensorMap) && alignof(TmaMap) >= alignof(CUtensorMap),
+              "TmaMap must hold a CUtensorMap");
+
+namespace {
+
+constexpr int kTok = 32;                          // padded token rows per expert (M of moe_group_padded)
+constexpr int kBK = 64;                           // k per stage: 64 bf16 = 128 B, one 128B-swizzle row
+constexpr int kWBoxBytes = 64 * kBK * 2;          // 8192: 64 weight rows
+constexpr int kXBoxBytes = kTok * kBK * 2;        // 4096: the expert's token rows
+constexpr int kStageBytes = 2 * kWBoxBytes + kXBoxBytes;
+constexpr int kThreads = 160;
+// Two blocks per SM of 4 stages (80 KB each) when the kernel has the GPU, one block per SM of 8 stages (160 KB: no
+// second block fits, so a grid of n blocks stays on n SMs) when it leaves SMs to a concurrent stream.
+constexpr int kStagesShared = 4, kStagesOwn = 8;
+constexpr int smem_bytes(int stages) { return 1024 /* alignment slack */ + stages * kStageBytes + stages * 16; }
+static_assert(kStageBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte alignment");
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DG_EXPERTS_TMA 1
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Waits for the phase of parity `parity`. A lost TMA transaction would otherwise hang the process with the GPU busy;
+// after 10 s the kernel traps instead (a launch error the caller reports).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint64_t t0 = 0;
+  for (uint32_t spin = 0;; ++spin) {
+    uint32_t done;
+    asm volatile(
+        "{\n .reg .pred P1;\n mbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\n selp.b32 %0, 1, 0, P1;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    if (done) return;
+    if ((spin & 1023u) == 0) {
+      const uint64_t t = globaltimer();
+      if (spin == 0) t0 = t;
+      else if (t - t0 > 10000000000ull) __trap();
+    }
+  }
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar,
+                                            uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "l"(policy)
+      : "memory");
+}
+// L2 prefetch of one box (no shared memory, no completion to wait for).
+__device__ __forceinline__ void tma_prefetch_l2_2d(const CUtensorMap* map, int c0, int c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global [%0, {%1, %2}];" ::"l"(reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1)
+               : "memory");
+}
+// Descriptor of a K-major tile of 128-byte rows written by TMA with 128B swizzle: SBO = 1024 B between 8-row groups,
+// LBO unused (1), layout 1 = 128B swizzle. The k16 step j starts 32 j bytes into the row: +2 j on the encoded start.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+__device__ __forceinline__ void fence_acc(float (&d)[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// D[64 x 32] f32 += A[64 x 16] (weights, K-major) * B[16 x 32] (token rows, K-major)
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(1));
+}
+#endif
+
+// GATED (gate_up): tmW = all experts' gate_up weights as [E * 2I, H], tile = 64 gate rows + the matching 64 up rows,
+// act[e 32 + t][I] = bf16(gelu(gate) * up). Else (down): tmW = [E * H, I], tile = 128 consecutive rows, y[e 32 + t][H]
+// (f32). tmX: the expert's padded token rows [E * 32, K], box {64, 32}. rows[e] = valid token rows of expert e (<= 32).
+
+template <bool GATED, int kStages>
+__global__ void __launch_bounds__(kThreads, 1)
+    experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
+                  const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
+                  int l2_prefetch_slices) {
+#if defined(DG_EXPERTS_TMA)
+  const int rows_per_expert = GATED ? 2 * I : H, tiles_n = GATED ? I / 64 : H / 128, K = GATED ? H : I;
+  const int n_tiles = E * tiles_n, nk = K / kBK;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t full0 = base + kStages * kStageBytes, empty0 = full0 + 8 * kStages;
+  const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
+  auto weight_rows = [&](int tile, int& row_a, int& row_b) {
+    const int e = tile / tiles_n, nt = tile % tiles_n;
+    row_a = e * rows_per_expert + nt * (GATED ? 64 : 128);
+    row_b = row_a + (GATED ? I : 64);
+  };
+  // The block's first tile is run whatever its expert's row count: its first stages' weights are requested before
+  // the row counts may be read (below), so both roles must consume them. An empty expert's first tile then costs one
+  // tile of wasted reads and math and stores nothing (cnt <= 0 in the epilogue). Later tiles of empty experts are
+  // skipped, as before.
+  const int first = int(blockIdx.x);
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full0 + 8 * s, 1);   // the producer's expect_tx arrive + the TMA bytes
+      mbar_init(empty0 + 8 * s, 4);  // one arrive per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // PDL (launch.cuh), in the opposite order to our other kernels: trigger first, so the next kernel in the stream
+  // (down after gate_up) is scheduled as soon as every block of this grid has started, and can stream its own
+  // weights into its ring while this grid still runs (it gets SMs as this grid's blocks exit: two blocks of this
+  // kernel fill an SM's shared memory). That is safe because the successor's griddepcontrol.wait waits for this grid
+  // to COMPLETE and its writes to be flushed, not for the trigger: down never sees a partial act. Triggering before
+  // our own wait also lets the successor start before our predecessor has finished; it reads nothing but constant
+  // weights before its own wait either, and every other kernel waits before touching global memory.
+  pdl_trigger();
+
+  if (warp == 4) {
+    if (lane != 0) return;
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmW)) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmX)) : "memory");
+    uint64_t evict_first;  // the weights are read once per pass; the token box is re-read by the expert's other tiles
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
+    uint64_t evict_normal;
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(evict_normal));
+
+    // ---- before griddepcontrol.wait: constant weights only ----
+    // The expert weights do not depend on the router (nor on anything any kernel of a pass writes), so the first
+    // npre stages of the first tile get their two weight boxes now, while the predecessor (the gather for gate_up,
+    // gate_up for down) is still running. Nothing here reads an activation, the row counts or any other buffer a
+    // predecessor writes, and nothing writes global memory.
+    //
+    // mbarrier accounting: a stage's full barrier (arrival count 1) gets ONE arrive.expect_tx of the WHOLE stage
+    // (kStageBytes = the two weight boxes + the token box) before any of its copies is issued. Its phase completes
+    // only when the pending arrival count is 0 and the transaction count is back to 0, i.e. after all three boxes
+    // have landed; with the token box issued only after the wait below, the weight boxes alone (kStageBytes -
+    // kXBoxBytes) leave the count at kXBoxBytes > 0, so no consumer can see a stage whose token box is missing or
+    // stale. A TMA box always completes its full byte count (out-of-bounds parts are zero-filled and counted).
+    // These are ring uses it = 0 .. npre-1 (stage s = it), the fresh ring's first round: no empty barrier to wait
+    // for (the loop below would pass it at once, parity 1 on a fresh barrier).
+    const int npre = first < n_tiles ? (nk < kStages ? nk : kStages) : 0;
+    if (npre > 0) {
+      int row_a, row_b;
+      weight_rows(first, row_a, row_b);
+      for (int kt = 0; kt < npre; ++kt) {
+        const uint32_t st = base + uint32_t(kt) * kStageBytes, full = full0 + 8 * kt;
+        mbar_arrive_expect_tx(full, kStageBytes);
+        tma_load_2d(st, &tmW, kt * kBK, row_a, full, evict_first);
+        tma_load_2d(st + kWBoxBytes, &tmW, kt * kBK, row_b, full, evict_first);
+      }
+      // Optionally warm L2 with the next weight slices of the first tile (no shared memory, no barrier: a hint;
+      // the ring loads of those slices below then hit L2). Also weights only.
+      const int pf_end = npre + l2_prefetch_slices < nk ? npre + l2_prefetch_slices : nk;
+      for (int kt = npre; kt < pf_end; ++kt) {
+        tma_prefetch_l2_2d(&tmW, kt * kBK, row_a);
+        tma_prefetch_l2_2d(&tmW, kt * kBK, row_b);
+      }
+    }
+
+    // ---- the predecessor has completed and its writes are visible (to this thread's TMA reads too) ----
+    pdl_wait();
+
+    uint32_t it = 0;  // stage use counter across tiles, as the consumer's
+    for (int tile = first; tile < n_tiles; tile += int(gridDim.x)) {
+      const int e = tile / tiles_n;
+      if (tile != first && __ldcg(rows + e) <= 0) continue;
+      int row_a, row_b;
+      weight_rows(tile, row_a, row_b);
+      for (int kt = 0; kt < nk; ++kt, ++it) {
+        if (tile == first && kt < npre) {  // it == kt: stage kt, its weights and expect_tx already issued
+          tma_load_2d(base + uint32_t(kt) * kStageBytes + 2 * kWBoxBytes, &tmX, kt * kBK, e * kTok, full0 + 8 * kt,
+                      evict_normal);
+          continue;
+        }
+        const int s = int(it % kStages);
+        mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);  // first round passes on the fresh barrier
+        const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
+        mbar_arrive_expect_tx(full, kStageBytes);
+        tma_load_2d(st, &tmW, kt * kBK, row_a, full, evict_first);
+        tma_load_2d(st + kWBoxBytes, &tmW, kt * kBK, row_b, full, evict_first);
+        tma_load_2d(st + 2 * kWBoxBytes, &tmX, kt * kBK, e * kTok, full, evict_normal);
+      }
+    }
+    return;
+  }
+
+  // Consumers read the row counts and write act / y: both only after the predecessor has completed. (The row counts
+  // are loaded with ld.global.cg, not the read-only path __restrict__ const would allow: this grid may have started
+  // while its predecessor was still writing them.)
+  pdl_wait();
+  uint32_t it = 0;
+  for (int tile = first; tile < n_tiles; tile += int(gridDim.x)) {
+    const int e = tile / tiles_n, nt = tile % tiles_n;
+    const int cnt = __ldcg(rows + e);  // .cg: L2, never a stale L1 / non-coherent line of a grid we overlapped
+    if (tile != first && cnt <= 0) continue;  // the first tile is consumed regardless (its stages were issued)
+    float d0[16], d1[16];  // tile rows 0-63 (gate / first half) and 64-127 (up / second half)
+#pragma unroll
+    for (int i = 0; i < 16; ++i) d0[i] = 0.f, d1[i] = 0.f;
+    for (int kt = 0; kt < nk; ++kt, ++it) {
+      const int s = int(it % kStages);
+      mbar_wait(full0 + 8 * s, (it / kStages) & 1u);
+      __syncwarp();  // wgmma is .sync.aligned
+      const uint32_t st = base + uint32_t(s) * kStageBytes;
+      const uint64_t da = desc_sw128(st), db = desc_sw128(st + kWBoxBytes), dx = desc_sw128(st + 2 * kWBoxBytes);
+      fence_acc(d0), fence_acc(d1);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+      for (int j = 0; j < kBK / 16; ++j) {
+        wgmma_m64n32k16(d0, da + 2 * j, dx + 2 * j);
+        wgmma_m64n32k16(d1, db + 2 * j, dx + 2 * j);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");  // bandwidth-bound: no deeper math pipeline
+      fence_acc(d0), fence_acc(d1);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty0 + 8 * s);
+    }
+    // Accumulator fragment of thread (warp w, lane l): d[4j + 2i + c] = D[row 16w + l/4 + 8i][token 8j + 2(l%4) + c];
+    // for gate_up, gate and up of one output element sit in the same thread.
+    const int r0 = warp * 16 + (lane >> 2), t0 = (lane & 3) * 2;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int tok = 8 * j + t0 + c, idx = 4 * j + 2 * i + c, r = r0 + 8 * i;
+          if (tok >= cnt) continue;
+          const size_t row = size_t(e) * kTok + tok;
+          if constexpr (GATED) {
+            act[row * I + nt * 64 + r] = __float2bfloat16(gelu_tanh(d0[idx]) * d1[idx]);
+          } else {
+            y[row * H + nt * 128 + r] = d0[idx];
+            y[row * H + nt * 128 + 64 + r] = d1[idx];
+          }
+        }
+  }
+#endif
+}
+
+bool hopper_image_loaded() {
+  int dev = 0, major = 0, minor = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  cudaFuncAttributes fa{};
+  CUDA_CHECK(cudaFuncGetAttributes(&fa, experts_tma_k<true, kStagesShared>));
+  return major == 9 && minor == 0 && fa.binaryVersion == 90;
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    cudaDriverEntryPointQueryResult q{};
+    void* p = nullptr;
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || p == nullptr)
+      throw_cuda_error("cuTensorMapEncodeTiled", "driver entry point not found", int(q), __FILE__, __LINE__);
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+bool experts_tma_supported(int M, int H, int I) {
+  if (M != kTok || H % 128 != 0 || I % 64 != 0 || H <= 0 || I <= 0) return false;
+  static const bool ok = [] {
+    if (!hopper_image_loaded()) return false;
+    for (auto [k, stages] : {std::pair{experts_tma_k<true, kStagesShared>, kStagesShared},
+                             std::pair{experts_tma_k<false, kStagesShared>, kStagesShared},
+                             std::pair{experts_tma_k<true, kStagesOwn>, kStagesOwn},
+                             std::pair{experts_tma_k<false, kStagesOwn>, kStagesOwn}})
+      CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(stages)));
+    return true;
+  }();
+  return ok;
+}
+
+TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows) {
+  if (cols % kBK != 0 || (reinterpret_cast<uintptr_t>(p) & 15) != 0 || box_rows < 1 || box_rows > 256 || rows < 1)
+    throw_cuda_error("tma_map_bf16_rows", "cols must be a multiple of 64, the base 16-byte aligned, box rows 1..256",
+                     0, __FILE__, __LINE__);
+  CUtensorMap m;
+  std::memset(&m, 0, sizeof m);
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(cols) * sizeof(bf16)};
+  const cuuint32_t box[2] = {cuuint32_t(kBK), cuuint32_t(box_rows)};
+  const cuuint32_t estr[2] = {1, 1};
+  const CUresult r = encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(p), dims, strides, box,
+                                 estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) throw_cuda_error("cuTensorMapEncodeTiled", "tensor map rejected", int(r), __FILE__, __LINE__);
+  TmaMap out;
+  std::memcpy(&out, &m, sizeof m);
+  return out;
+}
+
+namespace {
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, sms = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    return sms;
+  }();
+  return n;
+}
+template <bool GATED>
+void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, int E, int H, int I, bf16* act,
+                        float* y, int sms, int l2_prefetch_slices, cudaStream_t s) {
+  const int tiles = E * (GATED ? I / 64 : H / 128);
+  if (tiles == 0) return;
+  CUtensorMap mw, mx;
+  std::memcpy(&mw, &w, sizeof mw);
+  std::memcpy(&mx, &x, sizeof mx);
+  const int pf = std::max(0, l2_prefetch_slices);
+  // With the PDL attribute (launch.cuh; dropped while pdl_enabled() is false): the kernel's producer streams its
+  // first stages' weights before griddepcontrol.wait (see the kernel).
+  if (sms <= 0 || sms >= sm_count()) {
+    const int grid = std::min(tiles, 2 * sm_count());
+    launch_pdl(experts_tma_k<GATED, kStagesShared>, dim3(unsigned(grid)), dim3(kThreads),
+               size_t(smem_bytes(kStagesShared)), s, mw, mx, rows, E, H, I, act, y, pf);
+  } else {
+    const int grid = std::min(tiles, sms);
+    launch_pdl(experts_tma_k<GATED, kStagesOwn>, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(kStagesOwn)),
+               s, mw, mx, rows, E, H, I, act, y, pf);
+  }
+}
+
+// Test support: sleeps, then copies (below).
+__global__ void delayed_copy_k(const unsigned char* __restrict__ src0, unsigned char* __restrict__ dst0, size_t n0,
+                               const unsigned char* __restrict__ src1, unsigned char* __restrict__ dst1, size_t n1,
+                               unsigned long long delay_ns) {
+  pdl_wait();     // as every kernel: its own predecessor first
+  pdl_trigger();  // then let the kernel under test start while this one still sleeps
+  if (delay_ns > 0) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+      __nanosleep(2000);
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < delay_ns);
+  }
+  const size_t stride = size_t(gridDim.x) * blockDim.x, first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  auto copy = [&](const unsigned char* src, unsigned char* dst, size_t n) {
+    if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | n) & 15) == 0) {
+      const uint4* s4 = reinterpret_cast<const uint4*>(src);
+      uint4* d4 = reinterpret_cast<uint4*>(dst);
+      for (size_t i = first; i < n / 16; i += stride) d4[i] = s4[i];
+    } else {
+      for (size_t i = first; i < n; i += stride) dst[i] = src[i];
+    }
+  };
+  copy(src0, dst0, n0);
+  copy(src1, dst1, n1);
+}
+}  // namespace
+
+void moe_gate_up_padded_tma(const TmaMap& w, const TmaMap& xs, const int32_t* rows, int E, int H, int I, bf16* act,
+                            cudaStream_t s, int sms, int l2_prefetch_slices) {
+  launch_experts_tma<true>(w, xs, rows, E, H, I, act, nullptr, sms, l2_prefetch_slices, s);
+}
+
+void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
+                         cudaStream_t s, int sms, int l2_prefetch_slices) {
+  launch_experts_tma<false>(w, act, rows, E, H, I, nullptr, y, sms, l2_prefetch_slices, s);
+}
+
+void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const void* src1, void* dst1, size_t bytes1,
+                           int delay_us, cudaStream_t s) {
+  launch_pdl(delayed_copy_k, dim3(128), dim3(256), 0, s, static_cast<const unsigned char*>(src0),
+             static_cast<unsigned char*>(dst0), bytes0, static_cast<const unsigned char*>(src1),
+             static_cast<unsigned char*>(dst1), bytes1, static_cast<unsigned long long>(std::max(0, delay_us)) * 1000ull);
+}
+
+}  // namespace dg::cuda
