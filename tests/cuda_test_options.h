@@ -1,7 +1,8 @@
 #pragma once
 // CudaOptions for the GPU parity tests. DIFFGEMMA_TEST_GROUPED_EXPERTS=1 runs them with CudaOptions::padded_experts
 // off (the grouped expert kernels on canvas passes too), DIFFGEMMA_TEST_FUSED_ROUTER=1 with
-// CudaOptions::fused_router on (router_top_k_assign), so every path stays covered.
+// CudaOptions::fused_router on (router_top_k_assign), DIFFGEMMA_TEST_TMA_EXPERTS=1 with CudaOptions::tma_experts on
+// (the Hopper TMA expert kernels), so every path stays covered.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -16,9 +17,11 @@ inline dg::CudaOptions cuda_test_options() {
   dg::CudaOptions o;
   o.padded_experts = !flag("DIFFGEMMA_TEST_GROUPED_EXPERTS");
   o.fused_router = flag("DIFFGEMMA_TEST_FUSED_ROUTER");
+  o.tma_experts = flag("DIFFGEMMA_TEST_TMA_EXPERTS");
   static const bool said = [&] {
     if (!o.padded_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::padded_experts off (grouped experts)\n");
     if (o.fused_router) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_router on\n");
+    if (o.tma_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::tma_experts on\n");
     return true;
   }();
   (void)said;

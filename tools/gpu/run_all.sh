@@ -48,6 +48,14 @@ if [ "${FUSED_ROUTER:-0}" = 1 ]; then
     >"$OUT/parity_fused_router.log" 2>&1
   cr_rc=$?
 fi
+# TMA_EXPERTS=1: the parity and full-shape tests again with CudaOptions::tma_experts on (the PDL-launched TMA
+# expert kernels; Hopper only).
+te_rc=skipped
+if [ "${TMA_EXPERTS:-0}" = 1 ]; then
+  DIFFGEMMA_TEST_TMA_EXPERTS=1 DIFFGEMMA_FULLSHAPE_DIR="$FS_DIR" LD_LIBRARY_PATH="$LIBS" timeout 300 \
+    "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*:CudaFullShape.*' >"$OUT/parity_tma_experts.log" 2>&1
+  te_rc=$?
+fi
 # GROUPED=1: the parity and full-shape tests again with CudaOptions::padded_experts off (the grouped expert kernels
 # on canvas passes too), and a second bench with --grouped-experts.
 pd_rc=skipped
@@ -94,6 +102,8 @@ fi
   grep -B2 -A6 'Failure' "$OUT/parity.log" | head -60
   echo "== parity with the fused router (rc $cr_rc)"
   [ -f "$OUT/parity_fused_router.log" ] && grep -E '^\[parity\]|^\[  (FAILED|  OK) \]' "$OUT/parity_fused_router.log"
+  echo "== parity + full shape with the TMA experts (rc $te_rc)"
+  [ -f "$OUT/parity_tma_experts.log" ] && grep -E '^\[parity\]|^\[  (FAILED|  OK) \]' "$OUT/parity_tma_experts.log"
   echo "== full shape vs HF (rc $f_rc)"
   [ -f "$OUT/fullshape_fixture.log" ] && grep -E 'FAIL|WARN|agree|cosine|Error' "$OUT/fullshape_fixture.log" | tail -12
   [ -f "$OUT/fullshape.log" ] && grep -E '^\[fullshape\]|^\[  (FAILED|  OK|SKIPPED) \]|Failure' "$OUT/fullshape.log"

@@ -41,6 +41,7 @@ struct DevLayer {
   float enc_scalar = 1, dec_scalar = 1;
   bf16 *kc, *vc;
   int64_t cap = 0;
+  cuda::TmaMap exp_gu_map{}, exp_down_map{};  // over exp_gu / exp_down for the TMA expert kernels (use_tma_experts_)
 };
 
 struct Scratch {
@@ -320,6 +321,22 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
     layout(arena_);
     CUDA_CHECK(cudaMemset(s_.router_counters, 0, cuda::kRouterCounterSlots * sizeof(unsigned)));
+    {
+      const int H = cfg_.hidden_size, Ie = cfg_.moe_intermediate_size, E = cfg_.num_experts;
+      const int M = cuda::moe_padded_rows_per_expert(cfg_.canvas_length, cfg_.top_k_experts, E);
+      use_tma_experts_ = opt_.padded_experts && opt_.tma_experts && cuda::experts_tma_supported(M, H, Ie);
+      if (use_tma_experts_) {
+        for (DevLayer& L : layers_) {
+          L.exp_gu_map = cuda::tma_map_bf16_rows(L.exp_gu, int64_t(E) * 2 * Ie, H, 64);
+          L.exp_down_map = cuda::tma_map_bf16_rows(L.exp_down, int64_t(E) * H, Ie, 64);
+        }
+        xs_map_ = cuda::tma_map_bf16_rows(s_.xs, int64_t(E) * M, H, M);
+        acte_map_ = cuda::tma_map_bf16_rows(s_.acte, int64_t(E) * M, Ie, M);
+      } else if (opt_.padded_experts && opt_.tma_experts) {
+        std::fprintf(stderr, "[cuda] tma_experts: not supported here (needs an sm_90 GPU, 32 padded rows per expert); "
+                             "cuBLASLt expert GEMMs\n");
+      }
+    }
     gemm_ = std::make_unique<cuda::Gemm>();
     // its own workspace: runs concurrently with gemm_
     gemm_side_ = std::make_unique<cuda::Gemm>(size_t(64) << 20, opt_.dense_mlp_sms);
@@ -724,12 +741,31 @@ class CudaBackend final : public Backend {
         overflow_gate_up(side_);
         overflow_down(side_);
       }
-      // gate/up in f32 (in y, free until the down GEMM): one bf16 rounding, of the activation, as the grouped kernels.
-      gemm_->linear_batched(s_.xs, Dt::BF16, M, L.exp_gu, Dt::BF16, 2 * Ie, H, s_.y, Dt::F32, E, stream_);
-      cuda::moe_gelu_mul_padded(s_.y, E, M, Ie, s_.moe_meta, s_.acte, stream_);
+      // gate/up in f32 (in registers on the TMA path, else in y, free until the down GEMM): one bf16 rounding, of the
+      // activation, as the grouped kernels.
+      // TMA path (CudaOptions::tma_experts): the maps were built for the canvas's M (32); both kernels are
+      // PDL-launched and stream weights before their griddepcontrol.wait. gate_up's predecessor on stream_ is the
+      // gather (moe_gather / moe_group_padded; the event record between them only adds the side stream's edge);
+      // down's is gate_up (or the overflow gate_up without overlap), and its wait is for that kernel's completion,
+      // which follows gate_up's. The overflow kernels touch only rows past E M, which the maps do not cover.
+      const bool tma = use_tma_experts_ && M == cuda::moe_padded_rows_per_expert(cfg_.canvas_length, K, E);
+      const int expert_sms = overlap ? opt_.expert_sms : 0;
+      const int* valid_rows = s_.moe_meta + 1 + E;  // rows of each expert's padded block
+      if (tma) {
+        cuda::moe_gate_up_padded_tma(L.exp_gu_map, xs_map_, valid_rows, E, H, Ie, s_.acte, stream_, expert_sms,
+                                     opt_.tma_experts_l2_prefetch);
+      } else {
+        gemm_->linear_batched(s_.xs, Dt::BF16, M, L.exp_gu, Dt::BF16, 2 * Ie, H, s_.y, Dt::F32, E, stream_);
+        cuda::moe_gelu_mul_padded(s_.y, E, M, Ie, s_.moe_meta, s_.acte, stream_);
+      }
       if (!overlap) overflow_gate_up(stream_);
       mark(kStGateUp);
-      gemm_->linear_batched(s_.acte, Dt::BF16, M, L.exp_down, Dt::BF16, H, Ie, s_.y, Dt::F32, E, stream_);
+      if (tma && opt_.tma_experts_down) {
+        cuda::moe_down_padded_tma(L.exp_down_map, acte_map_, valid_rows, E, H, Ie, s_.y, stream_, expert_sms,
+                                  opt_.tma_experts_l2_prefetch);
+      } else {
+        gemm_->linear_batched(s_.acte, Dt::BF16, M, L.exp_down, Dt::BF16, H, Ie, s_.y, Dt::F32, E, stream_);
+      }
       if (!overlap) overflow_down(stream_);
       mark(kStDown);
     } else {
@@ -820,6 +856,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::Gemm> gemm_, gemm_side_;
   std::vector<DevLayer> layers_;  // CudaWeights' pointers + this backend's KV regions
   Scratch s_{};
+  bool use_tma_experts_ = false;        // CudaOptions::tma_experts and experts_tma_supported at the canvas shape
+  cuda::TmaMap xs_map_{}, acte_map_{};  // over the padded rows of s_.xs / s_.acte (box M rows)
   int32_t* host_ids_ = nullptr;
   cuda::DeviceRowStats* host_stats_ = nullptr;
   int64_t kv_len_ = 0;

@@ -60,6 +60,22 @@ struct CudaOptions {
   // moe_assign. A/B: bench --fused-router. (A one-launch version measured 41-43 us a layer against ~39 for the five
   // launches, docs/BENCHMARKS.md 2026-11-30 session 4.)
   bool fused_router = false;
+  // Canvas-sized padded passes with 32 rows per expert (the real model: 256 tokens, top 8 of 128) on Hopper (sm_90a
+  // image): the expert GEMMs as our TMA + wgmma kernels (kernels_experts_tma.cu) instead of cuBLASLt: gate_up with
+  // the GELU-tanh * up in its epilogue (no f32 gate/up, no moe_gelu_mul_padded), then down. Both are PDL-launched and
+  // stream their first weight tiles before waiting for their predecessor, to hide the launch gap and the pipeline
+  // ramp that the cuBLASLt GEMMs (which cannot be PDL-launched) leave. Off until measured on a GPU (A/B: bench
+  // --tma-experts). Without PDL (bench --no-pdl) they measured as fast as cuBLASLt on gate_up, ~7% slower on down.
+  bool tma_experts = false;
+  // With tma_experts: the down GEMM on the TMA kernel too (false: cuBLASLt down; bench --tma-experts-cublas-down).
+  bool tma_experts_down = true;
+  // With tma_experts and overlap_dense_mlp: > 0 runs the TMA expert kernels on this many SMs, one block each (an
+  // 8-stage ring), so that the dense MLP (planned for dense_mlp_sms) runs beside them instead of queueing behind
+  // them (measured slower on the H200 without PDL, 19.5-21.4 against 19.3 ms a 4K step; bench --expert-sms).
+  int expert_sms = 0;
+  // With tma_experts: each block of the TMA expert kernels also prefetches this many further 64-wide k slices of its
+  // first tile's weights into L2 before its griddepcontrol.wait (bench --tma-l2-prefetch; 0 = none).
+  int tma_experts_l2_prefetch = 0;
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
   // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)
   // instead of the dense GEMM of the probs through the whole [V, H] table (~0.58 ms). The step falls back to the
