@@ -590,8 +590,8 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
   REQUIRE_GPU();
   constexpr int M = 32;
   Gemm gemm;
-  for (auto [T, E, k, H, I] : {std::tuple{256, 128, 8, 2816, 704}, std::tuple{32, 128, 8, 2816, 704},
-                               std::tuple{20, 5, 2, 256, 64}, std::tuple{100, 3, 1, 384, 128},
+  for (auto [T, E, k, H, I] : {std::tuple{256, 128, 8, 2816, 704}, std::tuple{20, 5, 2, 256, 64},
+                               std::tuple{100, 3, 1, 384, 128},
                                std::tuple{50, 7, 3, 128, 192}}) {
     if (!experts_tma_supported(M, H, I)) GTEST_SKIP() << "the TMA expert kernels need an sm_90 GPU (sm_90a image)";
     auto x = rnd(size_t(T) * H), gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
@@ -628,9 +628,11 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     const auto mt = meta.get();
     const auto hx = from_bf16(xs.get()), ha = from_bf16(a1), hlt = from_bf16(act_lt.get());
     const auto ylt = y_lt.get();
-    std::vector<float> got_a, want_a, lt_a, got_y, want_y, lt_y;
+    std::vector<float> got_a, want_a, got_y, want_y, got_a_all, lt_a_all, got_y_all, lt_y_all;
     int64_t padding_written = 0;
     int empty_experts = 0;
+    // The CPU double reference on every 8th expert at the real shape (all of them would take minutes); cuBLASLt on all.
+    const int cpu_stride = E >= 64 ? 8 : 1;
     for (int e = 0; e < E; ++e) {
       const int n = mt[size_t(1 + E + e)];
       empty_experts += n == 0;
@@ -649,6 +651,9 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
           }
           continue;
         }
+        for (int i = 0; i < I; ++i) got_a_all.push_back(ha[row * I + i]), lt_a_all.push_back(hlt[row * I + i]);
+        for (int h = 0; h < H; ++h) got_y_all.push_back(y1[row * H + h]), lt_y_all.push_back(ylt[row * H + h]);
+        if (e % cpu_stride != 0) continue;
         for (int i = 0; i < I; ++i) {
           double gg = 0, u = 0;
           for (int h = 0; h < H; ++h) {
@@ -658,14 +663,12 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
           }
           want_a.push_back(float(double(cpu::gelu_tanh(float(gg))) * u));
           got_a.push_back(ha[row * I + i]);
-          lt_a.push_back(hlt[row * I + i]);
         }
         for (int h = 0; h < H; ++h) {
           double acc = 0;
           for (int i = 0; i < I; ++i) acc += double(ha[row * I + i]) * dn[(size_t(e) * H + h) * I + i];
           want_y.push_back(float(acc));
           got_y.push_back(y1[row * H + h]);
-          lt_y.push_back(ylt[row * H + h]);
         }
       }
     }
@@ -681,8 +684,8 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     EXPECT_GT(empty_experts, 0) << "routing meant to leave an expert empty does not, " << what;
     EXPECT_LE(rel_err(got_a, want_a), 1e-2) << "gate_up vs CPU, " << what;
     EXPECT_LE(rel_err(got_y, want_y), 1e-3) << "down vs CPU, " << what;
-    EXPECT_LE(rel_err(got_a, lt_a), 1e-2) << "gate_up vs cuBLASLt + GELU pass, " << what;
-    EXPECT_LE(rel_err(got_y, lt_y), 1e-4) << "down vs cuBLASLt, " << what;
+    EXPECT_LE(rel_err(got_a_all, lt_a_all), 1e-2) << "gate_up vs cuBLASLt + GELU pass, " << what;
+    EXPECT_LE(rel_err(got_y_all, lt_y_all), 1e-4) << "down vs cuBLASLt, " << what;
     EXPECT_EQ(padding_written, 0) << "padding rows of act / y written, " << what;
     auto same = [](const auto& u, const auto& v) {
       return u.size() == v.size() && std::memcmp(u.data(), v.data(), u.size() * sizeof(u[0])) == 0;
