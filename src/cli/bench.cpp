@@ -35,7 +35,7 @@ struct BenchArgs {
   bool json = false, breakdown = false, no_graphs = false, grouped_experts = false, tune_gemm = false;
   bool no_overlap = false, fused_router = false, no_pdl = false;
   int dense_mlp_sms = 0;
-  bool tma_experts = false, tma_experts_cublas_down = false;
+  bool cublas_experts = false, tma_experts_down = false;
   int expert_sms = 0, tma_l2_prefetch = 0;
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -117,8 +117,8 @@ int run_bench(const BenchArgs& args) {
   opt.overlap_dense_mlp = !args.no_overlap;
   opt.fused_router = args.fused_router;
   opt.dense_mlp_sms = args.dense_mlp_sms;
-  opt.tma_experts = args.tma_experts;
-  opt.tma_experts_down = !args.tma_experts_cublas_down;
+  opt.tma_experts = !args.cublas_experts;
+  opt.tma_experts_down = args.tma_experts_down;
   opt.expert_sms = args.expert_sms;
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
   CudaScStats sc_stats;
@@ -155,9 +155,9 @@ int run_bench(const BenchArgs& args) {
   out["pdl"] = !args.no_pdl;
   out["router"] = args.fused_router ? "router_top_k_assign (two launches)" : "cuBLASLt f32 GEMM + top-k + assign";
   out["experts"] = args.grouped_experts ? "grouped kernels"
-                   : !args.tma_experts ? "padded strided-batched cuBLASLt"
-                   : args.tma_experts_cublas_down ? "padded: TMA + wgmma gate_up (PDL) where supported, cuBLASLt down"
-                                                  : "padded: TMA + wgmma gate_up + down (PDL) where supported";
+                   : args.cublas_experts ? "padded strided-batched cuBLASLt"
+                   : args.tma_experts_down ? "padded: TMA + wgmma gate_up + down (PDL) where supported"
+                                           : "padded: TMA + wgmma gate_up (PDL) where supported, cuBLASLt down";
   out["expert_sms"] = args.expert_sms;
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
   out["sc"] = args.sc_sparse ? "sparse survivors (exact fallback per step)" : "exact (probs @ E GEMM)";
@@ -338,19 +338,17 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--fused-router", a->fused_router,
                                     "A/B: the router GEMM, top-k and expert assignment in two launches "
                                     "(CudaOptions::fused_router)");
-                       sub.add_flag("--tma-experts", a->tma_experts,
-                                    "A/B: the padded path's expert GEMMs on the TMA + wgmma kernels (GELU fused into "
-                                    "gate_up; PDL-launched, weights streamed before the wait) instead of cuBLASLt "
-                                    "(CudaOptions::tma_experts; Hopper only, else cuBLASLt)");
-                       sub.add_flag("--tma-experts-cublas-down", a->tma_experts_cublas_down,
-                                    "with --tma-experts: only gate_up on the TMA kernel, down on cuBLASLt "
-                                    "(CudaOptions::tma_experts_down = false)");
+                       sub.add_flag("--cublas-experts", a->cublas_experts,
+                                    "A/B: the padded path's gate_up on cuBLASLt + a GELU pass instead of the TMA + "
+                                    "wgmma kernel (CudaOptions::tma_experts = false)");
+                       sub.add_flag("--tma-experts-down", a->tma_experts_down,
+                                    "A/B: the down GEMM on the TMA + wgmma kernel too (CudaOptions::tma_experts_down)");
                        sub.add_option("--expert-sms", a->expert_sms,
-                                      "with --tma-experts: run both expert kernels on this many SMs, beside the dense "
+                                      "run the TMA expert kernels on this many SMs, beside the dense "
                                       "MLP (with --dense-mlp-sms; 0: all SMs)")
                            ->check(CLI::NonNegativeNumber);
                        sub.add_option("--tma-l2-prefetch", a->tma_l2_prefetch,
-                                      "with --tma-experts: k slices of each block's first weight tile prefetched into "
+                                      "k slices of each TMA expert block's first weight tile prefetched into "
                                       "L2 before the PDL wait, beyond the ring's stages (0: none)")
                            ->check(CLI::NonNegativeNumber);
                        sub.add_option("--dense-mlp-sms", a->dense_mlp_sms,

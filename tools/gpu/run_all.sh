@@ -28,7 +28,7 @@ if [ "${FULLSHAPE:-1}" = 1 ]; then
     >"$OUT/fullshape_fixture.log" 2>&1 &
   fs_pid=$!
 fi
-LD_LIBRARY_PATH="$LIBS" "$DIST/diffgemma_tests" --gtest_filter='CudaKernels.*' >"$OUT/kernels.log" 2>&1
+LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma_tests" --gtest_filter='CudaKernels.*' >"$OUT/kernels.log" 2>&1
 k_rc=$?
 LD_LIBRARY_PATH="$LIBS" "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*' >"$OUT/parity.log" 2>&1
 p_rc=$?
@@ -48,12 +48,13 @@ if [ "${FUSED_ROUTER:-0}" = 1 ]; then
     >"$OUT/parity_fused_router.log" 2>&1
   cr_rc=$?
 fi
-# TMA_EXPERTS=1: the parity and full-shape tests again with CudaOptions::tma_experts on (the PDL-launched TMA
-# expert kernels; Hopper only).
+# CUBLAS_EXPERTS=1: the parity and full-shape tests again with CudaOptions::tma_experts off (cuBLASLt gate_up + the
+# GELU pass, the path of non-Hopper GPUs); TMA_EXPERTS_DOWN=1: with the TMA down kernel on as well.
 te_rc=skipped
-if [ "${TMA_EXPERTS:-0}" = 1 ]; then
-  DIFFGEMMA_TEST_TMA_EXPERTS=1 DIFFGEMMA_FULLSHAPE_DIR="$FS_DIR" LD_LIBRARY_PATH="$LIBS" timeout 300 \
-    "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*:CudaFullShape.*' >"$OUT/parity_tma_experts.log" 2>&1
+if [ "${CUBLAS_EXPERTS:-0}" = 1 ] || [ "${TMA_EXPERTS_DOWN:-0}" = 1 ]; then
+  DIFFGEMMA_TEST_CUBLAS_EXPERTS=${CUBLAS_EXPERTS:-0} DIFFGEMMA_TEST_TMA_EXPERTS_DOWN=${TMA_EXPERTS_DOWN:-0} \
+    DIFFGEMMA_FULLSHAPE_DIR="$FS_DIR" LD_LIBRARY_PATH="$LIBS" timeout 300 \
+    "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*:CudaFullShape.*' >"$OUT/parity_experts_path.log" 2>&1
   te_rc=$?
 fi
 # GROUPED=1: the parity and full-shape tests again with CudaOptions::padded_experts off (the grouped expert kernels
@@ -102,8 +103,8 @@ fi
   grep -B2 -A6 'Failure' "$OUT/parity.log" | head -60
   echo "== parity with the fused router (rc $cr_rc)"
   [ -f "$OUT/parity_fused_router.log" ] && grep -E '^\[parity\]|^\[  (FAILED|  OK) \]' "$OUT/parity_fused_router.log"
-  echo "== parity + full shape with the TMA experts (rc $te_rc)"
-  [ -f "$OUT/parity_tma_experts.log" ] && grep -E '^\[parity\]|^\[  (FAILED|  OK) \]' "$OUT/parity_tma_experts.log"
+  echo "== parity + full shape, CUBLAS_EXPERTS=${CUBLAS_EXPERTS:-0} TMA_EXPERTS_DOWN=${TMA_EXPERTS_DOWN:-0} (rc $te_rc)"
+  [ -f "$OUT/parity_experts_path.log" ] && grep -E '^\[parity\]|^\[fullshape\] (nosc|sc|commit) |^\[  (FAILED|  OK) \]' "$OUT/parity_experts_path.log"
   echo "== full shape vs HF (rc $f_rc)"
   [ -f "$OUT/fullshape_fixture.log" ] && grep -E 'FAIL|WARN|agree|cosine|Error' "$OUT/fullshape_fixture.log" | tail -12
   [ -f "$OUT/fullshape.log" ] && grep -E '^\[fullshape\]|^\[  (FAILED|  OK|SKIPPED) \]|Failure' "$OUT/fullshape.log"

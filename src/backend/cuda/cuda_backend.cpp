@@ -332,10 +332,7 @@ class CudaBackend final : public Backend {
         }
         xs_map_ = cuda::tma_map_bf16_rows(s_.xs, int64_t(E) * M, H, M);
         acte_map_ = cuda::tma_map_bf16_rows(s_.acte, int64_t(E) * M, Ie, M);
-      } else if (opt_.padded_experts && opt_.tma_experts) {
-        std::fprintf(stderr, "[cuda] tma_experts: not supported here (needs an sm_90 GPU, 32 padded rows per expert); "
-                             "cuBLASLt expert GEMMs\n");
-      }
+      }  // else (not sm_90, or not 32 padded rows per expert): the cuBLASLt expert GEMMs
     }
     gemm_ = std::make_unique<cuda::Gemm>();
     // its own workspace: runs concurrently with gemm_

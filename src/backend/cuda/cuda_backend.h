@@ -61,14 +61,15 @@ struct CudaOptions {
   // launches, docs/BENCHMARKS.md 2026-11-30 session 4.)
   bool fused_router = false;
   // Canvas-sized padded passes with 32 rows per expert (the real model: 256 tokens, top 8 of 128) on Hopper (sm_90a
-  // image): the expert GEMMs as our TMA + wgmma kernels (kernels_experts_tma.cu) instead of cuBLASLt: gate_up with
-  // the GELU-tanh * up in its epilogue (no f32 gate/up, no moe_gelu_mul_padded), then down. Both are PDL-launched and
-  // stream their first weight tiles before waiting for their predecessor, to hide the launch gap and the pipeline
-  // ramp that the cuBLASLt GEMMs (which cannot be PDL-launched) leave. Off until measured on a GPU (A/B: bench
-  // --tma-experts). Without PDL (bench --no-pdl) they measured as fast as cuBLASLt on gate_up, ~7% slower on down.
-  bool tma_experts = false;
-  // With tma_experts: the down GEMM on the TMA kernel too (false: cuBLASLt down; bench --tma-experts-cublas-down).
-  bool tma_experts_down = true;
+  // image): gate_up on our TMA + wgmma kernel (kernels_experts_tma.cu) instead of cuBLASLt, with the GELU-tanh * up in
+  // its epilogue (no f32 gate/up, no moe_gelu_mul_padded). It is PDL-launched and streams its first weight tiles
+  // before waiting for the gather, which hides the launch gap and pipeline ramp that a cuBLASLt GEMM (never
+  // PDL-launched) leaves. H200, same call: 4K step 18.38 vs 18.57 ms with cuBLASLt (docs/BENCHMARKS.md, session 5).
+  // A/B: bench --cublas-experts. Elsewhere (other GPUs, other shapes) the cuBLASLt path runs.
+  bool tma_experts = true;
+  // With tma_experts: the down GEMM on the TMA kernel too. Off: it measured 0.3 ms a step slower than cuBLASLt down
+  // (4.39 vs 4.09 ms summed over the layers; bench --tma-experts-down).
+  bool tma_experts_down = false;
   // With tma_experts and overlap_dense_mlp: > 0 runs the TMA expert kernels on this many SMs, one block each (an
   // 8-stage ring), so that the dense MLP (planned for dense_mlp_sms) runs beside them instead of queueing behind
   // them (measured slower on the H200 without PDL, 19.5-21.4 against 19.3 ms a 4K step; bench --expert-sms).
