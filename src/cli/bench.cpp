@@ -36,7 +36,7 @@ struct BenchArgs {
   bool no_overlap = false, fused_router = false, no_pdl = false;
   int dense_mlp_sms = 0;
   bool cublas_experts = false, tma_experts_down = false;
-  int expert_sms = 0, tma_l2_prefetch = 0;
+  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
 };
@@ -121,6 +121,8 @@ int run_bench(const BenchArgs& args) {
   opt.tma_experts_down = args.tma_experts_down;
   opt.expert_sms = args.expert_sms;
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
+  opt.tma_experts_grid = args.tma_grid;
+  opt.tma_experts_stages = args.tma_stages;
   CudaScStats sc_stats;
   opt.sc_sparse = args.sc_sparse;
   opt.sc_stats = &sc_stats;
@@ -160,6 +162,8 @@ int run_bench(const BenchArgs& args) {
                                            : "padded: TMA + wgmma gate_up (PDL) where supported, cuBLASLt down";
   out["expert_sms"] = args.expert_sms;
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
+  out["tma_grid"] = args.tma_grid;
+  out["tma_stages"] = args.tma_stages;
   out["sc"] = args.sc_sparse ? "sparse survivors (exact fallback per step)" : "exact (probs @ E GEMM)";
 
   // Prefill throughput from an empty cache (one untimed warm-up at the smallest size first).
@@ -351,6 +355,12 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "k slices of each TMA expert block's first weight tile prefetched into "
                                       "L2 before the PDL wait, beyond the ring's stages (0: none)")
                            ->check(CLI::NonNegativeNumber);
+                       sub.add_option("--tma-grid", a->tma_grid,
+                                      "blocks of the TMA expert kernels (0: two per SM; CudaOptions::tma_experts_grid)")
+                           ->check(CLI::NonNegativeNumber);
+                       sub.add_option("--tma-stages", a->tma_stages,
+                                      "ring stages of the TMA expert kernels' blocks (CudaOptions::tma_experts_stages)")
+                           ->check(CLI::IsMember({4, 5}));
                        sub.add_option("--dense-mlp-sms", a->dense_mlp_sms,
                                       "plan the concurrent dense MLP's GEMMs for this many SMs (0: all)")
                            ->check(CLI::NonNegativeNumber);

@@ -8,7 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/diffgemma-out}
 mkdir -p "$OUT"
-rm -f /tmp/step.*  # a warm machine keeps the last call's files: nsys stats would report the stale export
+rm -f /tmp/step.* /tmp/step_*  # a warm machine keeps the last call's files: nsys stats would report the stale export
 base=$(dirname "$(find /opt/nvidia -name QdstrmImporter -path '*x64*' 2>/dev/null | head -1)")
 NSYS=$(find /opt/nvidia -name nsys -path '*target-linux-x64*' 2>/dev/null | head -1)
 cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublasLt.so.13*' 2>/dev/null | head -1)

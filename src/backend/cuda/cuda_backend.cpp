@@ -746,11 +746,13 @@ class CudaBackend final : public Backend {
       // down's is gate_up (or the overflow gate_up without overlap), and its wait is for that kernel's completion,
       // which follows gate_up's. The overflow kernels touch only rows past E M, which the maps do not cover.
       const bool tma = use_tma_experts_ && M == cuda::moe_padded_rows_per_expert(cfg_.canvas_length, K, E);
-      const int expert_sms = overlap ? opt_.expert_sms : 0;
+      const cuda::TmaExpertsPlan plan{.sms = overlap ? opt_.expert_sms : 0,
+                                      .grid = opt_.tma_experts_grid,
+                                      .stages = opt_.tma_experts_stages,
+                                      .l2_prefetch_slices = opt_.tma_experts_l2_prefetch};
       const int* valid_rows = s_.moe_meta + 1 + E;  // rows of each expert's padded block
       if (tma) {
-        cuda::moe_gate_up_padded_tma(L.exp_gu_map, xs_map_, valid_rows, E, H, Ie, s_.acte, stream_, expert_sms,
-                                     opt_.tma_experts_l2_prefetch);
+        cuda::moe_gate_up_padded_tma(L.exp_gu_map, xs_map_, valid_rows, E, H, Ie, s_.acte, stream_, plan);
       } else {
         gemm_->linear_batched(s_.xs, Dt::BF16, M, L.exp_gu, Dt::BF16, 2 * Ie, H, s_.y, Dt::F32, E, stream_);
         cuda::moe_gelu_mul_padded(s_.y, E, M, Ie, s_.moe_meta, s_.acte, stream_);
@@ -758,8 +760,7 @@ class CudaBackend final : public Backend {
       if (!overlap) overflow_gate_up(stream_);
       mark(kStGateUp);
       if (tma && opt_.tma_experts_down) {
-        cuda::moe_down_padded_tma(L.exp_down_map, acte_map_, valid_rows, E, H, Ie, s_.y, stream_, expert_sms,
-                                  opt_.tma_experts_l2_prefetch);
+        cuda::moe_down_padded_tma(L.exp_down_map, acte_map_, valid_rows, E, H, Ie, s_.y, stream_, plan);
       } else {
         gemm_->linear_batched(s_.acte, Dt::BF16, M, L.exp_down, Dt::BF16, H, Ie, s_.y, Dt::F32, E, stream_);
       }

@@ -77,6 +77,10 @@ struct CudaOptions {
   // With tma_experts: each block of the TMA expert kernels also prefetches this many further 64-wide k slices of its
   // first tile's weights into L2 before its griddepcontrol.wait (bench --tma-l2-prefetch; 0 = none).
   int tma_experts_l2_prefetch = 0;
+  // With tma_experts (sms 0): the TMA kernels' grid (0: two blocks per SM) and ring stages (4 or 5), for A/B
+  // (bench --tma-grid / --tma-stages); cuda::TmaExpertsPlan explains them.
+  int tma_experts_grid = 0;
+  int tma_experts_stages = 4;
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
   // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)
   // instead of the dense GEMM of the probs through the whole [V, H] table (~0.58 ms). The step falls back to the

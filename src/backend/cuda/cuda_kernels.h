@@ -182,16 +182,28 @@ TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows
 //            xs = tma_map_bf16_rows(xs, E 32, H, 32)
 //   down:    y[e 32 + t] = act . Wd[e]^T (f32), w = tma_map_bf16_rows(Wd, E H, I, 64), act = tma_map_bf16_rows(act,
 //            E 32, I, 32)
-// sms > 0 (below the device's count): at most that many blocks, one per SM, leaving the other SMs to a concurrent
-// stream (the dense MLP); 0: two blocks on every SM. The result does not depend on it.
+// How the TMA expert kernels are laid out on the GPU (TmaExpertsPlan{} = the default); the result never depends on
+// it (every output element is summed by one block in a fixed k order).
+struct TmaExpertsPlan {
+  // > 0 (below the device's SM count): at most that many blocks, one per SM with an 8-stage ring, leaving the other
+  // SMs to a concurrent stream (the dense MLP). 0: two blocks per SM.
+  int sms = 0;
+  // With sms == 0: the grid (0: two blocks per SM, capped at the tile count). Blocks stride over the tiles, so a
+  // grid that divides the tile count evenly leaves no partly idle last round (gate_up at the real shape: 1408 tiles).
+  int grid = 0;
+  // With sms == 0: ring stages per block, 4 or 5 (two 5-stage blocks still fit an SM's shared memory).
+  int stages = 4;
+  // > 0: each block also prefetches that many further 64-wide k slices of its first tile's weights into L2 before
+  // griddepcontrol.wait.
+  int l2_prefetch_slices = 0;
+};
 // Launched with PDL (launch.cuh): each block requests its first ring stages' weights (constants) before
-// griddepcontrol.wait, everything else after it; l2_prefetch_slices > 0 also prefetches that many further 64-wide k
-// slices of its first tile's weights into L2 before the wait. The weight buffers must not be written by the stream's
-// preceding kernels (they never are: they are the checkpoint's). The result does not depend on either.
+// griddepcontrol.wait, everything else after it. The weight buffers must not be written by the stream's preceding
+// kernels (they never are: they are the checkpoint's).
 void moe_gate_up_padded_tma(const TmaMap& w, const TmaMap& xs, const int32_t* rows, int E, int H, int I, bf16* act,
-                            cudaStream_t s, int sms = 0, int l2_prefetch_slices = 0);
+                            cudaStream_t s, const TmaExpertsPlan& plan = {});
 void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
-                         cudaStream_t s, int sms = 0, int l2_prefetch_slices = 0);
+                         cudaStream_t s, const TmaExpertsPlan& plan = {});
 // Test support (kernels_experts_tma.cu): a PDL-launched kernel that triggers its dependents at once, sleeps
 // delay_us, then copies src0 -> dst0 and src1 -> dst1 (bytes): a predecessor that writes its outputs late, so that a
 // PDL kernel after it which read them before griddepcontrol.wait would see stale data.

@@ -52,9 +52,9 @@ constexpr int kWBoxBytes = 64 * kBK * 2;          // 8192: 64 weight rows
 constexpr int kXBoxBytes = kTok * kBK * 2;        // 4096: the expert's token rows
 constexpr int kStageBytes = 2 * kWBoxBytes + kXBoxBytes;
 constexpr int kThreads = 160;
-// Two blocks per SM of 4 stages (80 KB each) when the kernel has the GPU, one block per SM of 8 stages (160 KB: no
+// Two blocks per SM of 4 (80 KB each) or 5 stages (100 KB) when the kernel has the GPU, one block per SM of 8 stages (160 KB: no
 // second block fits, so a grid of n blocks stays on n SMs) when it leaves SMs to a concurrent stream.
-constexpr int kStagesShared = 4, kStagesOwn = 8;
+constexpr int kStagesShared = 4, kStagesShared5 = 5, kStagesOwn = 8;
 constexpr int smem_bytes(int stages) { return 1024 /* alignment slack */ + stages * kStageBytes + stages * 16; }
 static_assert(kStageBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte alignment");
 
@@ -327,6 +327,8 @@ bool experts_tma_supported(int M, int H, int I) {
     if (!hopper_image_loaded()) return false;
     for (auto [k, stages] : {std::pair{experts_tma_k<true, kStagesShared>, kStagesShared},
                              std::pair{experts_tma_k<false, kStagesShared>, kStagesShared},
+                             std::pair{experts_tma_k<true, kStagesShared5>, kStagesShared5},
+                             std::pair{experts_tma_k<false, kStagesShared5>, kStagesShared5},
                              std::pair{experts_tma_k<true, kStagesOwn>, kStagesOwn},
                              std::pair{experts_tma_k<false, kStagesOwn>, kStagesOwn}})
       CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(stages)));
@@ -366,21 +368,25 @@ int sm_count() {
 }
 template <bool GATED>
 void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, int E, int H, int I, bf16* act,
-                        float* y, int sms, int l2_prefetch_slices, cudaStream_t s) {
+                        float* y, const TmaExpertsPlan& plan, cudaStream_t s) {
   const int tiles = E * (GATED ? I / 64 : H / 128);
   if (tiles == 0) return;
   CUtensorMap mw, mx;
   std::memcpy(&mw, &w, sizeof mw);
   std::memcpy(&mx, &x, sizeof mx);
-  const int pf = std::max(0, l2_prefetch_slices);
+  const int pf = std::max(0, plan.l2_prefetch_slices);
   // With the PDL attribute (launch.cuh; dropped while pdl_enabled() is false): the kernel's producer streams its
   // first stages' weights before griddepcontrol.wait (see the kernel).
-  if (sms <= 0 || sms >= sm_count()) {
-    const int grid = std::min(tiles, 2 * sm_count());
-    launch_pdl(experts_tma_k<GATED, kStagesShared>, dim3(unsigned(grid)), dim3(kThreads),
-               size_t(smem_bytes(kStagesShared)), s, mw, mx, rows, E, H, I, act, y, pf);
+  if (plan.sms <= 0 || plan.sms >= sm_count()) {
+    const int grid = std::min(tiles, plan.grid > 0 ? std::min(plan.grid, 2 * sm_count()) : 2 * sm_count());
+    if (plan.stages == kStagesShared5)
+      launch_pdl(experts_tma_k<GATED, kStagesShared5>, dim3(unsigned(grid)), dim3(kThreads),
+                 size_t(smem_bytes(kStagesShared5)), s, mw, mx, rows, E, H, I, act, y, pf);
+    else
+      launch_pdl(experts_tma_k<GATED, kStagesShared>, dim3(unsigned(grid)), dim3(kThreads),
+                 size_t(smem_bytes(kStagesShared)), s, mw, mx, rows, E, H, I, act, y, pf);
   } else {
-    const int grid = std::min(tiles, sms);
+    const int grid = std::min(tiles, plan.sms);
     launch_pdl(experts_tma_k<GATED, kStagesOwn>, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(kStagesOwn)),
                s, mw, mx, rows, E, H, I, act, y, pf);
   }
@@ -416,13 +422,13 @@ __global__ void delayed_copy_k(const unsigned char* __restrict__ src0, unsigned 
 }  // namespace
 
 void moe_gate_up_padded_tma(const TmaMap& w, const TmaMap& xs, const int32_t* rows, int E, int H, int I, bf16* act,
-                            cudaStream_t s, int sms, int l2_prefetch_slices) {
-  launch_experts_tma<true>(w, xs, rows, E, H, I, act, nullptr, sms, l2_prefetch_slices, s);
+                            cudaStream_t s, const TmaExpertsPlan& plan) {
+  launch_experts_tma<true>(w, xs, rows, E, H, I, act, nullptr, plan, s);
 }
 
 void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
-                         cudaStream_t s, int sms, int l2_prefetch_slices) {
-  launch_experts_tma<false>(w, act, rows, E, H, I, nullptr, y, sms, l2_prefetch_slices, s);
+                         cudaStream_t s, const TmaExpertsPlan& plan) {
+  launch_experts_tma<false>(w, act, rows, E, H, I, nullptr, y, plan, s);
 }
 
 void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const void* src1, void* dst1, size_t bytes1,
