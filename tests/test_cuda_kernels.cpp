@@ -584,7 +584,7 @@ TEST(CudaKernels, MoePaddedExperts) {
 // valid outputs nor be written; overflow rows (past 32) are not their job. random_routing leaves expert 1 empty
 // (E > k + 1), which is also some block's FIRST tile (run regardless: its weights are requested before the PDL
 // wait). Bitwise equal across: a repeat run, a launch on 5 SMs (the 8-stage ring), PDL off, an L2 prefetch, and a
-// grid of 7 blocks with 5-stage rings.
+// grid of 7 blocks with 5-stage rings, three 3-stage blocks per SM.
 // Awkward sizes: nk = K / 64 below the ring depth (down with I = 64: one k slice), one tile per expert, persistent
 // blocks over many tiles (the real shape). Skips where the kernels do not run (not an sm_90 GPU with the sm_90a image).
 TEST(CudaKernels, MoeExpertsPaddedTma) {
@@ -599,9 +599,11 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     auto idx = random_routing(T, E, k);
     const size_t rows = size_t(E) * M + idx.size();
     Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(rows * H), act(rows * I), act2(rows * I);
-    Dev<bf16> act3(rows * I), act4(rows * I), act5(rows * I), act6(rows * I), act_lt(rows * I);
+    Dev<bf16> act3(rows * I), act4(rows * I), act5(rows * I), act6(rows * I), act7(rows * I);
+    Dev<bf16> act_lt(rows * I);
     Dev<int32_t> didx(idx.size()), ovf(size_t(E) + 1), spos(idx.size()), meta(2 * size_t(E) + 1);
-    Dev<float> y(rows * H), y2(rows * H), y3(rows * H), y4(rows * H), y5(rows * H), y6(rows * H), y_lt(rows * H);
+    Dev<float> y(rows * H), y2(rows * H), y3(rows * H), y4(rows * H), y5(rows * H), y6(rows * H), y7(rows * H);
+    Dev<float> y_lt(rows * H);
     Dev<float> g(rows * 2 * I);
     dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx);
     moe_group_padded(didx.p, T, k, E, dx.p, H, M, ovf.p, spos.p, xs.p, nullptr, meta.p);
@@ -619,6 +621,8 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     moe_down_padded_tma(wdn, am, valid, E, H, I, y3.p, nullptr);
     moe_down_padded_tma(wdn, am, valid, E, H, I, y5.p, nullptr, {.l2_prefetch_slices = 6});
     moe_down_padded_tma(wdn, am, valid, E, H, I, y6.p, nullptr, {.grid = 7, .stages = 5});
+    moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act7.p, nullptr, {.grid = 1000, .stages = 3});
+    moe_down_padded_tma(wdn, am, valid, E, H, I, y7.p, nullptr, {.grid = 1000, .stages = 3});
     set_pdl(false);
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act4.p, nullptr);
     moe_down_padded_tma(wdn, am, valid, E, H, I, y4.p, nullptr);
@@ -627,8 +631,10 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     gemm.linear_batched(xs.p, Dt::BF16, M, dgu.p, Dt::BF16, 2 * I, H, g.p, Dt::F32, E, nullptr);
     moe_gelu_mul_padded(g.p, E, M, I, meta.p, act_lt.p, nullptr);
     gemm.linear_batched(act.p, Dt::BF16, M, ddn.p, Dt::BF16, H, I, y_lt.p, Dt::F32, E, nullptr);
-    const auto a1 = act.get(), a2 = act2.get(), a3 = act3.get(), a4 = act4.get(), a5 = act5.get(), a6 = act6.get();
-    const auto y1 = y.get(), yb = y2.get(), yc = y3.get(), yd = y4.get(), ye = y5.get(), yf = y6.get();
+    const auto a1 = act.get(), a2 = act2.get(), a3 = act3.get(), a4 = act4.get(), a5 = act5.get();
+    const auto a6 = act6.get(), a7 = act7.get();
+    const auto y1 = y.get(), yb = y2.get(), yc = y3.get(), yd = y4.get(), ye = y5.get();
+    const auto yf = y6.get(), yg = y7.get();
     const auto mt = meta.get();
     const auto hx = from_bf16(xs.get()), ha = from_bf16(a1), hlt = from_bf16(act_lt.get());
     const auto ylt = y_lt.get();
@@ -699,11 +705,13 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     EXPECT_TRUE(same(a1, a4)) << "gate_up: PDL off, " << what;
     EXPECT_TRUE(same(a1, a5)) << "gate_up: L2 prefetch, " << what;
     EXPECT_TRUE(same(a1, a6)) << "gate_up: 7 blocks of 5 stages, " << what;
+    EXPECT_TRUE(same(a1, a7)) << "gate_up: three 3-stage blocks per SM, " << what;
     EXPECT_TRUE(same(y1, yb)) << "down: 5 SMs vs all, " << what;
     EXPECT_TRUE(same(y1, yc)) << "down: repeat, " << what;
     EXPECT_TRUE(same(y1, yd)) << "down: PDL off, " << what;
     EXPECT_TRUE(same(y1, ye)) << "down: L2 prefetch, " << what;
     EXPECT_TRUE(same(y1, yf)) << "down: 7 blocks of 5 stages, " << what;
+    EXPECT_TRUE(same(y1, yg)) << "down: three 3-stage blocks per SM, " << what;
     if (E == 3) {
       EXPECT_GT(overflow, 0) << "the case meant to overflow does not";
     }

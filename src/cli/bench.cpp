@@ -360,7 +360,7 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                            ->check(CLI::NonNegativeNumber);
                        sub.add_option("--tma-stages", a->tma_stages,
                                       "ring stages of the TMA expert kernels' blocks (CudaOptions::tma_experts_stages)")
-                           ->check(CLI::IsMember({4, 5}));
+                           ->check(CLI::IsMember({3, 4, 5}));
                        sub.add_option("--dense-mlp-sms", a->dense_mlp_sms,
                                       "plan the concurrent dense MLP's GEMMs for this many SMs (0: all)")
                            ->check(CLI::NonNegativeNumber);

@@ -77,7 +77,7 @@ struct CudaOptions {
   // With tma_experts: each block of the TMA expert kernels also prefetches this many further 64-wide k slices of its
   // first tile's weights into L2 before its griddepcontrol.wait (bench --tma-l2-prefetch; 0 = none).
   int tma_experts_l2_prefetch = 0;
-  // With tma_experts (sms 0): the TMA kernels' grid (0: two blocks per SM) and ring stages (4 or 5), for A/B
+  // With tma_experts (sms 0): the TMA kernels' grid (0: two blocks per SM) and ring stages (3, 4 or 5), for A/B
   // (bench --tma-grid / --tma-stages); cuda::TmaExpertsPlan explains them.
   int tma_experts_grid = 0;
   int tma_experts_stages = 4;

@@ -191,7 +191,8 @@ struct TmaExpertsPlan {
   // With sms == 0: the grid (0: two blocks per SM, capped at the tile count). Blocks stride over the tiles, so a
   // grid that divides the tile count evenly leaves no partly idle last round (gate_up at the real shape: 1408 tiles).
   int grid = 0;
-  // With sms == 0: ring stages per block, 4 or 5 (two 5-stage blocks still fit an SM's shared memory).
+  // With sms == 0: ring stages per block, 3, 4 or 5 (two 5-stage or three 3-stage blocks fit an SM's shared memory;
+  // with 3 stages the grid may be up to three blocks per SM).
   int stages = 4;
   // > 0: each block also prefetches that many further 64-wide k slices of its first tile's weights into L2 before
   // griddepcontrol.wait.

@@ -52,9 +52,10 @@ constexpr int kWBoxBytes = 64 * kBK * 2;          // 8192: 64 weight rows
 constexpr int kXBoxBytes = kTok * kBK * 2;        // 4096: the expert's token rows
 constexpr int kStageBytes = 2 * kWBoxBytes + kXBoxBytes;
 constexpr int kThreads = 160;
-// Two blocks per SM of 4 (80 KB each) or 5 stages (100 KB) when the kernel has the GPU, one block per SM of 8 stages (160 KB: no
-// second block fits, so a grid of n blocks stays on n SMs) when it leaves SMs to a concurrent stream.
-constexpr int kStagesShared = 4, kStagesShared5 = 5, kStagesOwn = 8;
+// Two blocks per SM of 4 (80 KB each) or 5 stages (100 KB), or three of 3 (60 KB), when the kernel has the GPU;
+// one block per SM of 8 stages (160 KB: no second block fits, so a grid of n blocks stays on n SMs) when it leaves
+// SMs to a concurrent stream.
+constexpr int kStagesShared = 4, kStagesShared3 = 3, kStagesShared5 = 5, kStagesOwn = 8;
 constexpr int smem_bytes(int stages) { return 1024 /* alignment slack */ + stages * kStageBytes + stages * 16; }
 static_assert(kStageBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte alignment");
 
@@ -327,6 +328,8 @@ bool experts_tma_supported(int M, int H, int I) {
     if (!hopper_image_loaded()) return false;
     for (auto [k, stages] : {std::pair{experts_tma_k<true, kStagesShared>, kStagesShared},
                              std::pair{experts_tma_k<false, kStagesShared>, kStagesShared},
+                             std::pair{experts_tma_k<true, kStagesShared3>, kStagesShared3},
+                             std::pair{experts_tma_k<false, kStagesShared3>, kStagesShared3},
                              std::pair{experts_tma_k<true, kStagesShared5>, kStagesShared5},
                              std::pair{experts_tma_k<false, kStagesShared5>, kStagesShared5},
                              std::pair{experts_tma_k<true, kStagesOwn>, kStagesOwn},
@@ -378,8 +381,12 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   // With the PDL attribute (launch.cuh; dropped while pdl_enabled() is false): the kernel's producer streams its
   // first stages' weights before griddepcontrol.wait (see the kernel).
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
-    const int grid = std::min(tiles, plan.grid > 0 ? std::min(plan.grid, 2 * sm_count()) : 2 * sm_count());
-    if (plan.stages == kStagesShared5)
+    const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;  // blocks that fit an SM's shared memory
+    const int grid = std::min(tiles, plan.grid > 0 ? std::min(plan.grid, per_sm * sm_count()) : 2 * sm_count());
+    if (plan.stages == kStagesShared3)
+      launch_pdl(experts_tma_k<GATED, kStagesShared3>, dim3(unsigned(grid)), dim3(kThreads),
+                 size_t(smem_bytes(kStagesShared3)), s, mw, mx, rows, E, H, I, act, y, pf);
+    else if (plan.stages == kStagesShared5)
       launch_pdl(experts_tma_k<GATED, kStagesShared5>, dim3(unsigned(grid)), dim3(kThreads),
                  size_t(smem_bytes(kStagesShared5)), s, mw, mx, rows, E, H, I, act, y, pf);
     else
