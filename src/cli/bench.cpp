@@ -33,8 +33,8 @@ struct BenchArgs {
   int reps = 10;
   std::string contexts = "512,4096,32768", prefills = "4096,32768";
   bool json = false, breakdown = false, no_graphs = false, grouped_experts = false, tune_gemm = false;
-  bool no_overlap = false, fused_router = false, no_pdl = false;
-  int dense_mlp_sms = 0;
+  bool no_overlap = false, fused_router = false, no_pdl = false, untuned_gemm = false;
+  int dense_mlp_sms = -1;  // -1: CudaOptions' default
   bool cublas_experts = false, tma_experts_down = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
@@ -101,6 +101,7 @@ int run_bench(const BenchArgs& args) {
   const bool no_graphs = args.no_graphs || args.tune_gemm;
   const std::vector<int> contexts = parse_sizes(args.contexts), prefills = parse_sizes(args.prefills);
   cuda::set_gemm_tuning(args.tune_gemm);
+  cuda::set_gemm_table(!args.untuned_gemm);
   cuda::set_pdl(!args.no_pdl);
   auto info = cuda::query_device(0);
   if (!info.available) fail("bench needs a CUDA GPU: {}", info.reason);
@@ -116,7 +117,7 @@ int run_bench(const BenchArgs& args) {
   opt.padded_experts = !args.grouped_experts;
   opt.overlap_dense_mlp = !args.no_overlap;
   opt.fused_router = args.fused_router;
-  opt.dense_mlp_sms = args.dense_mlp_sms;
+  if (args.dense_mlp_sms >= 0) opt.dense_mlp_sms = args.dense_mlp_sms;
   opt.tma_experts = !args.cublas_experts;
   opt.tma_experts_down = args.tma_experts_down;
   opt.expert_sms = args.expert_sms;
@@ -153,7 +154,7 @@ int run_bench(const BenchArgs& args) {
   out["reps"] = args.reps;
   out["cuda_graphs"] = !no_graphs;
   out["overlap_dense_mlp"] = !args.no_overlap;
-  out["dense_mlp_sms"] = args.dense_mlp_sms;
+  out["dense_mlp_sms"] = opt.dense_mlp_sms;
   out["pdl"] = !args.no_pdl;
   out["router"] = args.fused_router ? "router_top_k_assign (two launches)" : "cuBLASLt f32 GEMM + top-k + assign";
   out["experts"] = args.grouped_experts ? "grouped kernels"
@@ -362,8 +363,11 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "ring stages of the TMA expert kernels' blocks (CudaOptions::tma_experts_stages)")
                            ->check(CLI::IsMember({3, 4, 5}));
                        sub.add_option("--dense-mlp-sms", a->dense_mlp_sms,
-                                      "plan the concurrent dense MLP's GEMMs for this many SMs (0: all)")
+                                      "plan the concurrent dense MLP's GEMMs for this many SMs (0: all; default: CudaOptions' 48)")
                            ->check(CLI::NonNegativeNumber);
+                       sub.add_flag("--untuned-gemm", a->untuned_gemm,
+                                    "A/B: cuBLASLt's heuristic first pick for every GEMM instead of the pinned table "
+                                    "(src/backend/cuda/gemm_tuned.inc)");
                        sub.add_flag("--tune-gemm", a->tune_gemm,
                                     "time every cuBLASLt candidate of each GEMM shape (graphs off) and print the "
                                     "fastest as lines for src/backend/cuda/gemm_tuned.inc");

@@ -52,9 +52,11 @@ struct CudaOptions {
   bool padded_experts = true;
   // Run a layer's dense MLP (then the experts' few overflow rows) on a second stream, concurrently with its router
   // and experts (A/B: bench --no-overlap). dense_mlp_sms > 0 plans those GEMMs for that many SMs, leaving the rest
-  // to the main stream (cuBLASLt's Hopper kernels otherwise take every SM and the two branches serialize).
+  // to the main stream: cuBLASLt's Hopper kernels otherwise take every SM (each block holding a whole SM's registers
+  // and shared memory), and the router's small kernels wait for them. H200, 4K step: 18.35 ms on all SMs, 18.06 /
+  // 18.06 / 18.10 / 18.07 on 33 / 48 / 66 / 80 (docs/BENCHMARKS.md, session 5); 0: all SMs.
   bool overlap_dense_mlp = true;
-  int dense_mlp_sms = 0;
+  int dense_mlp_sms = 48;
   // Canvas-sized passes with padded experts route in two launches (router_top_k_assign: the f32 router GEMM's split
   // partials, then top-k and the padded assignment) instead of cuBLASLt's split-K GEMM + its reduce + route_top_k +
   // moe_assign. A/B: bench --fused-router. (A one-launch version measured 41-43 us a layer against ~39 for the five

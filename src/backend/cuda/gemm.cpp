@@ -41,6 +41,7 @@ const std::vector<TunedEntry> kTuned = {
 };
 
 bool g_tuning = false;
+bool g_table = true;
 std::vector<std::string>& report() {
   static std::vector<std::string> r;
   return r;
@@ -55,6 +56,7 @@ std::string config_text(const AlgoConfig& c) {
 }  // namespace
 
 void set_gemm_tuning(bool on) { g_tuning = on; }
+void set_gemm_table(bool on) { g_table = on; }
 bool gemm_tuning() { return g_tuning; }
 const std::vector<std::string>& gemm_tune_report() { return report(); }
 
@@ -159,6 +161,7 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
     fail("cuBLASLt found no algorithm for a {}x{}x{} GEMM ({} operands)", m, n, k, all_f32 ? "f32" : "bf16");
   int pick = ok[0];
   for (const TunedEntry& t : kTuned) {
+    if (!g_table) break;
     if (t.sm != sm_ || t.transa != transa || t.m != m || t.n != n || t.k != k || t.at != int(at) ||
         t.bt != int(bt) || t.ct != int(ct) || t.batch != batch)
       continue;

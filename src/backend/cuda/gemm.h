@@ -25,6 +25,9 @@ enum class Dt { BF16, F32 };
 // Tuning mode (`diffgemma bench --tune-gemm`): every new plan times all acceptable candidates on its first call (it
 // synchronizes the stream; never during stream capture) and keeps the fastest; one report line per shape.
 void set_gemm_tuning(bool on);
+// A/B (bench --untuned-gemm): ignore the pinned algorithms of gemm_tuned.inc, take cuBLASLt's heuristic first pick.
+// Set before the first GEMM of a shape is planned.
+void set_gemm_table(bool on);
 bool gemm_tuning();
 const std::vector<std::string>& gemm_tune_report();
 
