@@ -451,71 +451,25 @@ __global__ void moe_combine_ffn_k(const float* y, const int32_t* idx, const floa
 // kCombineThreads threads cover NV chunks each; moe_combine_ffn runs rows of up to 1024 chunks (H <= 4096) with 768 or
 // 1024 threads and one chunk each, so a thread's k expert loads are its only round trip (256 threads x 3 chunks took
 // 15 us a layer at the 4K step, H200 profile).
-// Latency, not bandwidth, sets its time (13.4 us a layer at the 4K step, session 5 profile), so every load that can
-// go early does: the four norm weight vectors (constants) are copied into shared memory before the PDL wait, warp 0
-// gathers the token's k sources in one round trip (ranked by expert id with shuffles, as the stable insertion sort of
-// combine_sources orders them) while the other threads load m1 and copy h into shared memory (cp.async: no
-// registers held across the expert loads), and the two independent norms of the dense
-// and expert outputs share one block reduction. Same arithmetic and order as before. Two 768-thread blocks per SM
-// (registers capped at 40 a thread), so the 256 tokens of a canvas run as one wave.
 template <int NV, int KMAX, int kCombineThreads>
-__global__ void __launch_bounds__(kCombineThreads, kCombineThreads <= 768 ? 2 : 1) moe_combine_ffn_vec_k(
+__global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
     int H, const float* w1, const float* w2, const float* wn, float eps, float scalar, const float* w_next,
     bf16* x_next) {
-  extern __shared__ __align__(16) float4 wsm[];  // [5][H / 4]: w1, w2, wn, w_next, then this token's h row
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   __shared__ int src_row[KMAX];
   __shared__ float src_w[KMAX];
   const int t = blockIdx.x, H4 = H / 4;
-  const float* wvec[4] = {w1, w2, wn, w_next};
-#pragma unroll
-  for (int q = 0; q < NV; ++q) {
-    const int c = threadIdx.x + q * kCombineThreads;
-    if (c < H4)
-#pragma unroll
-      for (int v = 0; v < 4; ++v)
-        if (wvec[v]) cp_async16(&wsm[v * H4 + c], wvec[v] + 4 * size_t(c), true);
-  }
-  cp_async_commit();
-  pdl_wait();  // launch.cuh: only the constant weights above are read before this
-  pdl_trigger();
-  const size_t off = size_t(t) * H;
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    int e = 0, pos = 0;
-    float wt = 0;
-    if (lane < k) e = idx[t * k + lane], pos = sorted_pos[t * k + lane], wt = w[t * k + lane];
-    int rank = 0;  // position of this pair in ascending expert id, ties in pair order
-#pragma unroll
-    for (int j = 0; j < KMAX; ++j) {
-      const int ej = __shfl_sync(0xffffffffu, e, j);
-      rank += j < k && (ej < e || (ej == e && j < lane));
-    }
-    if (lane < k) src_row[rank] = pos, src_w[rank] = wt;
-  }
-  uint2 m1b[NV];  // the dense MLP's bf16 chunk (widened when used: fewer live registers across the expert loads)
-#pragma unroll
-  for (int q = 0; q < NV; ++q) {
-    const int c = threadIdx.x + q * kCombineThreads;
-    m1b[q] = make_uint2(0, 0);
-    if (c < H4) {
-      m1b[q] = reinterpret_cast<const uint2*>(m1 + off)[c];
-      cp_async16(&wsm[4 * H4 + c], h + off + 4 * size_t(c), true);
-    }
-  }
-  cp_async_commit();
+  if (threadIdx.x == 0) combine_sources(idx, w, sorted_pos, t, k, src_row, src_w);
   __syncthreads();
-  auto widen = [](uint2 u) {
-    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-    return make_float4(lo.x, lo.y, hi.x, hi.y);
-  };
-  float4 m2[NV];
+  const size_t off = size_t(t) * H;
+  float4 m2[NV], a1[NV];
   float s1 = 0, s2 = 0;
 #pragma unroll
   for (int q = 0; q < NV; ++q) {
     const int c = threadIdx.x + q * kCombineThreads;
-    float4 acc = make_float4(0, 0, 0, 0);
+    float4 acc = make_float4(0, 0, 0, 0), a = acc;
     if (c < H4) {
       float4 ys[KMAX];
 #pragma unroll
@@ -529,44 +483,45 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineThreads <= 768 ? 2 : 
           acc.z += src_w[j] * ys[j].z;
           acc.w += src_w[j] * ys[j].w;
         }
+      const uint2 u = reinterpret_cast<const uint2*>(m1 + off)[c];
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+      a = make_float4(lo.x, lo.y, hi.x, hi.y);
     }
-    m2[q] = acc;
-    const float4 a = widen(m1b[q]);
+    m2[q] = acc, a1[q] = a;
     s1 += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
     s2 += acc.x * acc.x + acc.y * acc.y + acc.z * acc.z + acc.w * acc.w;
   }
-  cp_async_wait<0>();  // this thread's weight and h chunks (each thread reads only the chunks it copied)
-  const float2 s12 = block_sum2(s1, s2);
-  const float inv1 = rsqrtf(s12.x / float(H) + eps);
-  const float inv2 = rsqrtf(s12.y / float(H) + eps);
+  const float inv1 = rsqrtf(block_sum(s1) / float(H) + eps);
+  const float inv2 = rsqrtf(block_sum(s2) / float(H) + eps);
   float s3 = 0;
 #pragma unroll
   for (int q = 0; q < NV; ++q) {
     const int c = threadIdx.x + q * kCombineThreads;
     if (c < H4) {
-      const float4 p = wsm[c], r = wsm[H4 + c], a = widen(m1b[q]);
-      m2[q] = make_float4(a.x * inv1 * p.x + m2[q].x * inv2 * r.x, a.y * inv1 * p.y + m2[q].y * inv2 * r.y,
-                          a.z * inv1 * p.z + m2[q].z * inv2 * r.z, a.w * inv1 * p.w + m2[q].w * inv2 * r.w);
+      const float4 p = reinterpret_cast<const float4*>(w1)[c], r = reinterpret_cast<const float4*>(w2)[c];
+      m2[q] = make_float4(a1[q].x * inv1 * p.x + m2[q].x * inv2 * r.x, a1[q].y * inv1 * p.y + m2[q].y * inv2 * r.y,
+                          a1[q].z * inv1 * p.z + m2[q].z * inv2 * r.z, a1[q].w * inv1 * p.w + m2[q].w * inv2 * r.w);
       s3 += m2[q].x * m2[q].x + m2[q].y * m2[q].y + m2[q].z * m2[q].z + m2[q].w * m2[q].w;
     }
   }
   const float inv3 = rsqrtf(block_sum(s3) / float(H) + eps);
   float s4 = 0;
-  float4 hv[NV];
 #pragma unroll
   for (int q = 0; q < NV; ++q) {
     const int c = threadIdx.x + q * kCombineThreads;
-    hv[q] = make_float4(0, 0, 0, 0);
+    float4 hv = make_float4(0, 0, 0, 0);
     if (c < H4) {
-      const float4 p = wsm[2 * H4 + c];
-      hv[q] = wsm[4 * H4 + c];
-      hv[q].x = (hv[q].x + m2[q].x * inv3 * p.x) * scalar;
-      hv[q].y = (hv[q].y + m2[q].y * inv3 * p.y) * scalar;
-      hv[q].z = (hv[q].z + m2[q].z * inv3 * p.z) * scalar;
-      hv[q].w = (hv[q].w + m2[q].w * inv3 * p.w) * scalar;
-      reinterpret_cast<float4*>(h + off)[c] = hv[q];
+      const float4 p = reinterpret_cast<const float4*>(wn)[c];
+      hv = reinterpret_cast<float4*>(h + off)[c];
+      hv.x = (hv.x + m2[q].x * inv3 * p.x) * scalar;
+      hv.y = (hv.y + m2[q].y * inv3 * p.y) * scalar;
+      hv.z = (hv.z + m2[q].z * inv3 * p.z) * scalar;
+      hv.w = (hv.w + m2[q].w * inv3 * p.w) * scalar;
+      reinterpret_cast<float4*>(h + off)[c] = hv;
     }
-    s4 += hv[q].x * hv[q].x + hv[q].y * hv[q].y + hv[q].z * hv[q].z + hv[q].w * hv[q].w;
+    m2[q] = hv;  // the new residual row, for the next layer's input norm
+    s4 += hv.x * hv.x + hv.y * hv.y + hv.z * hv.z + hv.w * hv.w;
   }
   if (!x_next) return;
   // x_next = rms(h; w_next) in bf16, as rms_norm_f32_to_bf16's vector kernel computes it (same arithmetic and order).
@@ -575,9 +530,9 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineThreads <= 768 ? 2 : 
   for (int q = 0; q < NV; ++q) {
     const int c = threadIdx.x + q * kCombineThreads;
     if (c < H4) {
-      const float4 p = wsm[3 * H4 + c];
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(hv[q].x * inv4 * p.x, hv[q].y * inv4 * p.y);
-      const __nv_bfloat162 hi = __floats2bfloat162_rn(hv[q].z * inv4 * p.z, hv[q].w * inv4 * p.w);
+      const float4 p = reinterpret_cast<const float4*>(w_next)[c];
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(m2[q].x * inv4 * p.x, m2[q].y * inv4 * p.y);
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(m2[q].z * inv4 * p.z, m2[q].w * inv4 * p.w);
       uint2 u;
       u.x = *reinterpret_cast<const uint32_t*>(&lo);
       u.y = *reinterpret_cast<const uint32_t*>(&hi);
@@ -669,15 +624,8 @@ void moe_combine_ffn(const float* y, const int32_t* idx, const float* w, const i
   if (x_next && !w_next) throw_cuda_error("moe_combine_ffn", "x_next needs w_next", 0, __FILE__, __LINE__);
   if (k <= 8 && H % 4 == 0 && H / 4 <= 1024) {
     auto* kern = H / 4 <= 768 ? moe_combine_ffn_vec_k<1, 8, 768> : moe_combine_ffn_vec_k<1, 8, 1024>;
-    const size_t smem = 5 * size_t(H) * sizeof(float);  // the four weight vectors and the h row
-    static const bool big_smem_ok = [] {
-      for (auto* kn : {moe_combine_ffn_vec_k<1, 8, 768>, moe_combine_ffn_vec_k<1, 8, 1024>})
-        CUDA_CHECK(cudaFuncSetAttribute(kn, cudaFuncAttributeMaxDynamicSharedMemorySize, 5 * 4096 * int(sizeof(float))));
-      return true;
-    }();
-    (void)big_smem_ok;
-    launch_pdl(kern, dim3(T), dim3(H / 4 <= 768 ? 768 : 1024), smem, s, y, idx, w, sorted_pos, k, h, m1, H, w1, w2,
-               w_post, eps, scalar, w_next, x_next);
+    launch_pdl(kern, dim3(T), dim3(H / 4 <= 768 ? 768 : 1024), 0, s, y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
+               eps, scalar, w_next, x_next);
     CUDA_CHECK_LAUNCH();
     return;
   }
