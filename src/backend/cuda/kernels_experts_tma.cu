@@ -20,13 +20,15 @@
 // repacked into stream order (16 KB contiguous per stage) reached 0.245 / 0.136 ms: not done, the grouped kernels of
 // prefill and overflow rows read the checkpoint layout.
 //
-// Programmatic dependent launch (wip/tma-experts-pdl, NOT yet measured on a GPU): both kernels are launched with the
+// Programmatic dependent launch: both kernels are launched with the
 // PDL attribute and trigger at once, and the producer requests the first stages' WEIGHT boxes before
 // griddepcontrol.wait. The weights are constants, independent of the router (at 256 tokens x top 8 of 128 every
 // expert is used every step), so the launch gap after the gather (gate_up) or after gate_up (down) and the ring's
 // ramp can overlap the predecessor's tail. Everything the predecessor writes (the token rows, the per-expert row
-// counts) is read only after the wait, and nothing is written before it. The aim: the ~4.6 / ~6.9 us gaps a layer
-// before the cuBLASLt expert GEMMs (which cannot be PDL-launched), plus each GEMM's ramp.
+// counts) is read only after the wait, and nothing is written before it. It hides the ~4.6 us gap a layer before the
+// cuBLASLt gate_up GEMM (which cannot be PDL-launched) and the ring's ramp. In the engine (H200, session 5,
+// docs/BENCHMARKS.md) gate_up on this kernel is the default (4K step -0.1 to -0.2 ms); down on it was slower than
+// cuBLASLt (+0.3 ms a step), so down stays on cuBLASLt. Deeper or shallower rings and other grids were no faster.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
