@@ -584,7 +584,8 @@ TEST(CudaKernels, MoePaddedExperts) {
 // valid outputs nor be written; overflow rows (past 32) are not their job. random_routing leaves expert 1 empty
 // (E > k + 1), which is also some block's FIRST tile (run regardless: its weights are requested before the PDL
 // wait). Bitwise equal across: a repeat run, a launch on 5 SMs (the 8-stage ring), PDL off, an L2 prefetch, and a
-// grid of 7 blocks with 5-stage rings, three 3-stage blocks per SM.
+// grid of 7 blocks with 5-stage rings, three 3-stage blocks per SM; and gate_up reading the token rows straight from x
+// (moe_gate_up_padded_tma_gathered) bitwise equal to gate_up on the gathered copy.
 // Awkward sizes: nk = K / 64 below the ring depth (down with I = 64: one k slice), one tile per expert, persistent
 // blocks over many tiles (the real shape). Skips where the kernels do not run (not an sm_90 GPU with the sm_90a image).
 TEST(CudaKernels, MoeExpertsPaddedTma) {
@@ -599,14 +600,17 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     auto idx = random_routing(T, E, k);
     const size_t rows = size_t(E) * M + idx.size();
     Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(rows * H), act(rows * I), act2(rows * I);
-    Dev<bf16> act3(rows * I), act4(rows * I), act5(rows * I), act6(rows * I), act7(rows * I);
+    Dev<bf16> act3(rows * I), act4(rows * I), act5(rows * I), act6(rows * I), act7(rows * I), act8(rows * I);
     Dev<bf16> act_lt(rows * I);
     Dev<int32_t> didx(idx.size()), ovf(size_t(E) + 1), spos(idx.size()), meta(2 * size_t(E) + 1);
+    Dev<int32_t> slot(size_t(E) * M);
     Dev<float> y(rows * H), y2(rows * H), y3(rows * H), y4(rows * H), y5(rows * H), y6(rows * H), y7(rows * H);
     Dev<float> y_lt(rows * H);
     Dev<float> g(rows * 2 * I);
     dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx);
-    moe_group_padded(didx.p, T, k, E, dx.p, H, M, ovf.p, spos.p, xs.p, nullptr, meta.p);
+    // moe_group_padded in its two halves, so that the gathered gate_up below sees the same slots as xs
+    moe_assign_padded(didx.p, T, k, E, M, ovf.p, spos.p, meta.p, slot.p, nullptr);
+    moe_gather(spos.p, T, k, dx.p, H, xs.p, nullptr);
     const TmaMap wgu = tma_map_bf16_rows(dgu.p, int64_t(E) * 2 * I, H, 64), xm = tma_map_bf16_rows(xs.p, int64_t(E) * M, H, M);
     const TmaMap wdn = tma_map_bf16_rows(ddn.p, int64_t(E) * H, I, 64), am = tma_map_bf16_rows(act.p, int64_t(E) * M, I, M);
     const int32_t* valid = meta.p + 1 + E;
@@ -622,6 +626,7 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     moe_down_padded_tma(wdn, am, valid, E, H, I, y5.p, nullptr, {.l2_prefetch_slices = 6});
     moe_down_padded_tma(wdn, am, valid, E, H, I, y6.p, nullptr, {.grid = 7, .stages = 5});
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act7.p, nullptr, {.grid = 1000, .stages = 3});
+    moe_gate_up_padded_tma_gathered(wgu, dx.p, slot.p, valid, E, H, I, act8.p, nullptr);
     moe_down_padded_tma(wdn, am, valid, E, H, I, y7.p, nullptr, {.grid = 1000, .stages = 3});
     set_pdl(false);
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act4.p, nullptr);
@@ -632,7 +637,7 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     moe_gelu_mul_padded(g.p, E, M, I, meta.p, act_lt.p, nullptr);
     gemm.linear_batched(act.p, Dt::BF16, M, ddn.p, Dt::BF16, H, I, y_lt.p, Dt::F32, E, nullptr);
     const auto a1 = act.get(), a2 = act2.get(), a3 = act3.get(), a4 = act4.get(), a5 = act5.get();
-    const auto a6 = act6.get(), a7 = act7.get();
+    const auto a6 = act6.get(), a7 = act7.get(), a8 = act8.get();
     const auto y1 = y.get(), yb = y2.get(), yc = y3.get(), yd = y4.get(), ye = y5.get();
     const auto yf = y6.get(), yg = y7.get();
     const auto mt = meta.get();
@@ -706,6 +711,7 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     EXPECT_TRUE(same(a1, a5)) << "gate_up: L2 prefetch, " << what;
     EXPECT_TRUE(same(a1, a6)) << "gate_up: 7 blocks of 5 stages, " << what;
     EXPECT_TRUE(same(a1, a7)) << "gate_up: three 3-stage blocks per SM, " << what;
+    EXPECT_TRUE(same(a1, a8)) << "gate_up: token rows read from x (slot_token) instead of the gathered xs, " << what;
     EXPECT_TRUE(same(y1, yb)) << "down: 5 SMs vs all, " << what;
     EXPECT_TRUE(same(y1, yc)) << "down: repeat, " << what;
     EXPECT_TRUE(same(y1, yd)) << "down: PDL off, " << what;
@@ -736,16 +742,21 @@ TEST(CudaKernels, MoeExpertsPaddedTmaLatePredecessor) {
     auto idx = random_routing(T, E, k);
     const size_t rows = size_t(E) * M + idx.size(), n_meta = 2 * size_t(E) + 1;
     Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs_src(rows * H), xs(rows * H), act(rows * I);
-    Dev<int32_t> didx(idx.size()), ovf(size_t(E) + 1), spos(idx.size()), meta_src(n_meta), meta(n_meta);
+    // meta and slot_token in one buffer, so that the late predecessor writes both (delayed_copy_for_test copies two)
+    const size_t n_slot = size_t(E) * M;
+    Dev<int32_t> didx(idx.size()), ovf(size_t(E) + 1), spos(idx.size()), meta_src(n_meta + n_slot);
+    Dev<int32_t> meta(n_meta + n_slot);
+    Dev<bf16> xg(x.size());
     Dev<float> y(rows * H);
     dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx);
-    moe_group_padded(didx.p, T, k, E, dx.p, H, M, ovf.p, spos.p, xs_src.p, nullptr, meta_src.p);
+    moe_assign_padded(didx.p, T, k, E, M, ovf.p, spos.p, meta_src.p, meta_src.p + n_meta, nullptr);
+    moe_gather(spos.p, T, k, dx.p, H, xs_src.p, nullptr);
     const TmaMap wgu = tma_map_bf16_rows(dgu.p, int64_t(E) * 2 * I, H, 64), xm = tma_map_bf16_rows(xs.p, int64_t(E) * M, H, M);
     const TmaMap wdn = tma_map_bf16_rows(ddn.p, int64_t(E) * H, I, 64), am = tma_map_bf16_rows(act.p, int64_t(E) * M, I, M);
     const int32_t* valid = meta.p + 1 + E;
     // reference: inputs in place long before, one kernel at a time
     CUDA_CHECK(cudaMemcpy(xs.p, xs_src.p, rows * H * sizeof(bf16), cudaMemcpyDeviceToDevice));
-    CUDA_CHECK(cudaMemcpy(meta.p, meta_src.p, n_meta * sizeof(int32_t), cudaMemcpyDeviceToDevice));
+    CUDA_CHECK(cudaMemcpy(meta.p, meta_src.p, (n_meta + n_slot) * sizeof(int32_t), cudaMemcpyDeviceToDevice));
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act.p, nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
     moe_down_padded_tma(wdn, am, valid, E, H, I, y.p, nullptr);
@@ -773,6 +784,19 @@ TEST(CudaKernels, MoeExpertsPaddedTmaLatePredecessor) {
             << "down after gate_up after a late predecessor: delay " << delay_us << " us, sms " << sms << ", E " << E;
         ++run;
       }
+    }
+    // gate_up reading the token rows from x: the late predecessor writes x and the row counts + slot_token
+    for (int delay_us : {3000, 30, 0}) {
+      CUDA_CHECK(cudaMemsetAsync(xg.p, 0xff, x.size() * sizeof(bf16), st));
+      CUDA_CHECK(cudaMemsetAsync(meta.p, 0xff, (n_meta + n_slot) * sizeof(int32_t), st));
+      CUDA_CHECK(cudaMemsetAsync(act.p, 0xff, rows * I * sizeof(bf16), st));
+      delayed_copy_for_test(dx.p, xg.p, x.size() * sizeof(bf16), meta_src.p, meta.p,
+                            (n_meta + n_slot) * sizeof(int32_t), delay_us, st);
+      moe_gate_up_padded_tma_gathered(wgu, xg.p, meta.p + n_meta, valid, E, H, I, act.p, st);
+      CUDA_CHECK(cudaStreamSynchronize(st));
+      const auto a = act.get();
+      EXPECT_EQ(std::memcmp(a.data(), act_ref.data(), a.size() * sizeof(bf16)), 0)
+          << "gathered gate_up after a late predecessor: delay " << delay_us << " us, E " << E;
     }
     CUDA_CHECK(cudaStreamDestroy(st));
   }

@@ -49,6 +49,7 @@ struct Scratch {
   float *h, *xr, *rl, *wk, *y, *sig, *logits;
   bf16 *x, *x1, *xe, *qkv, *q, *kn, *vn, *att, *a, *gu, *actd, *m1, *xs, *acte, *probs;
   int32_t *idx, *offsets, *sorted_pos, *moe_meta;
+  int32_t* slot_token;  // [E M]: the token in each padded expert slot (moe_assign_padded), for the gathered gate_up
   float* router_partial;      // router_top_k_assign's split partials (canvas-sized passes)
   unsigned* router_counters;  // its arrival counters: zeroed once, left zeroed by every call
   cuda::DeviceRowStats* stats;
@@ -718,8 +719,16 @@ class CudaBackend final : public Backend {
       trace_->experts.push_back(std::move(idx));
     }
     if (padded) {
+      // TMA gate_up (CudaOptions::tma_experts); its maps were built for the canvas's M (32). With
+      // CudaOptions::tma_gather_rows it reads each expert's token rows from xe itself (slot_token), so no gather
+      // kernel stands between the assignment and the experts; only the rare overflow rows are gathered, on the
+      // overflow GEMMs' stream.
+      const bool tma = use_tma_experts_ && M == cuda::moe_padded_rows_per_expert(cfg_.canvas_length, K, E);
+      const bool gathered = tma && opt_.tma_gather_rows && !fused_router;
       if (fused_router)
         cuda::moe_gather(s_.sorted_pos, T, K, s_.xe, H, s_.xs, stream_);
+      else if (gathered)
+        cuda::moe_assign_padded(s_.idx, T, K, E, M, s_.offsets, s_.sorted_pos, s_.moe_meta, s_.slot_token, stream_);
       else
         cuda::moe_group_padded(s_.idx, T, K, E, s_.xe, H, M, s_.offsets, s_.sorted_pos, s_.xs, stream_, s_.moe_meta);
       mark(kStGroup);
@@ -727,6 +736,7 @@ class CudaBackend final : public Backend {
       // act and y lie past the padded ones (and past the f32 gate/up below), so with the side stream they run there,
       // after the dense MLP, beside the padded GEMMs instead of between them.
       auto overflow_gate_up = [&](cudaStream_t st) {
+        if (gathered) cuda::moe_gather(s_.sorted_pos, T, K, s_.xe, H, s_.xs, st, /*min_row=*/E * M);
         cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, st, s_.moe_meta);
       };
       auto overflow_down = [&](cudaStream_t st) {
@@ -740,18 +750,20 @@ class CudaBackend final : public Backend {
       }
       // gate/up in f32 (in registers on the TMA path, else in y, free until the down GEMM): one bf16 rounding, of the
       // activation, as the grouped kernels.
-      // TMA path (CudaOptions::tma_experts): the maps were built for the canvas's M (32); both kernels are
-      // PDL-launched and stream weights before their griddepcontrol.wait. gate_up's predecessor on stream_ is the
-      // gather (moe_gather / moe_group_padded; the event record between them only adds the side stream's edge);
-      // down's is gate_up (or the overflow gate_up without overlap), and its wait is for that kernel's completion,
-      // which follows gate_up's. The overflow kernels touch only rows past E M, which the maps do not cover.
-      const bool tma = use_tma_experts_ && M == cuda::moe_padded_rows_per_expert(cfg_.canvas_length, K, E);
+      // TMA path: both kernels are PDL-launched and stream weights before their griddepcontrol.wait. gate_up's
+      // predecessor on stream_ is the gather or the assignment (the event record between them only adds the side
+      // stream's edge); down's is gate_up (or the overflow gate_up without overlap), and its wait is for that
+      // kernel's completion, which follows gate_up's. The overflow kernels touch only rows past E M, which the maps
+      // do not cover.
       const cuda::TmaExpertsPlan plan{.sms = overlap ? opt_.expert_sms : 0,
                                       .grid = opt_.tma_experts_grid,
                                       .stages = opt_.tma_experts_stages,
                                       .l2_prefetch_slices = opt_.tma_experts_l2_prefetch};
       const int* valid_rows = s_.moe_meta + 1 + E;  // rows of each expert's padded block
-      if (tma) {
+      if (gathered) {
+        cuda::moe_gate_up_padded_tma_gathered(L.exp_gu_map, s_.xe, s_.slot_token, valid_rows, E, H, Ie, s_.acte,
+                                              stream_, plan);
+      } else if (tma) {
         cuda::moe_gate_up_padded_tma(L.exp_gu_map, xs_map_, valid_rows, E, H, Ie, s_.acte, stream_, plan);
       } else {
         gemm_->linear_batched(s_.xs, Dt::BF16, M, L.exp_gu, Dt::BF16, 2 * Ie, H, s_.y, Dt::F32, E, stream_);
@@ -831,6 +843,7 @@ class CudaBackend final : public Backend {
     s_.sorted_pos = ar.take<int32_t>(Tm * K);
     s_.offsets = ar.take<int32_t>(E + 1);
     s_.moe_meta = ar.take<int32_t>(2 * E + 1);
+    s_.slot_token = ar.take<int32_t>(E * size_t(cuda::moe_padded_rows_per_expert(int(Lc), int(K), int(E))));
     s_.stats = ar.take<cuda::DeviceRowStats>(Lc);
     s_.row_stats_scratch = ar.take<char>(cuda::softcap_row_stats_scratch_bytes(int(Lc), int(V)));
     if (opt_.sc_sparse) {

@@ -140,8 +140,10 @@ bool router_fused_supported(int E, int H, int k);
 void router_top_k_assign(const float* x, int T, int H, const float* W, int E, int k, const float* per_expert_scale,
                          int M, float* partial, unsigned* counters, float* logits, int32_t* idx, float* w,
                          int32_t* ovf_offsets, int32_t* sorted_pos, int32_t* meta, cudaStream_t s);
-// xs[sorted_pos[pair]] = x[token of pair] for the T k pairs (moe_group_padded's second half).
-void moe_gather(const int32_t* sorted_pos, int T, int k, const bf16* x, int H, bf16* xs, cudaStream_t s);
+// xs[sorted_pos[pair]] = x[token of pair] for the T k pairs (moe_group_padded's second half); min_row > 0 copies
+// only the pairs with sorted_pos >= min_row (E M: the overflow rows, when the padded rows are read straight from x).
+void moe_gather(const int32_t* sorted_pos, int T, int k, const bf16* x, int H, bf16* xs, cudaStream_t s,
+                int min_row = 0);
 // Groups the T*k (token, slot) pairs by expert: offsets [E+1] (exclusive prefix of counts), sorted_pos[pair] =
 // row of that pair in the grouped order, xs[row] = x[token of that pair]. The order of rows inside one expert's
 // group depends on atomics, but every row is computed independently, so results do not.
@@ -157,6 +159,11 @@ void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, in
 // meta[1 + E + e] = rows of expert e in its padded block (min(count, M), for moe_gelu_mul_padded).
 void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int M, int32_t* ovf_offsets,
                       int32_t* sorted_pos, bf16* xs, cudaStream_t s, int32_t* meta = nullptr);
+// moe_group_padded's first half (no gather). slot_token (E M ints, may be null): slot_token[e M + slot] = the token
+// of the pair in padded slot slot < rows of expert e (meta[1 + E + e]); other entries are left as they are. For
+// moe_gate_up_padded_tma_gathered, which reads the token rows from x itself.
+void moe_assign_padded(const int32_t* idx, int T, int k, int E, int M, int32_t* ovf_offsets, int32_t* sorted_pos,
+                       int32_t* meta, int32_t* slot_token, cudaStream_t s);
 // act[r] = bf16(gelu_tanh(gu[r, 0:I]) * gu[r, I:2I]) for the padded rows that hold a pair (meta of
 // moe_group_padded); the padding rows of act are left as they are (nothing reads them).
 void moe_gelu_mul_padded(const float* gu, int E, int M, int I, const int32_t* meta, bf16* act, cudaStream_t s);
@@ -203,6 +210,12 @@ struct TmaExpertsPlan {
 // kernels (they never are: they are the checkpoint's).
 void moe_gate_up_padded_tma(const TmaMap& w, const TmaMap& xs, const int32_t* rows, int E, int H, int I, bf16* act,
                             cudaStream_t s, const TmaExpertsPlan& plan = {});
+// gate_up with the token rows read straight from x [T, H] (bf16, the expert input before any gather): slot t of
+// expert e holds token slot_token[e 32 + t] (moe_assign_padded) for t < rows[e]. The same results, bitwise, as
+// moe_gate_up_padded_tma on moe_gather's copy of x, without that copy: no gather kernel between the assignment and
+// the experts.
+void moe_gate_up_padded_tma_gathered(const TmaMap& w, const bf16* x, const int32_t* slot_token, const int32_t* rows,
+                                     int E, int H, int I, bf16* act, cudaStream_t s, const TmaExpertsPlan& plan = {});
 void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
                          cudaStream_t s, const TmaExpertsPlan& plan = {});
 // Test support (kernels_experts_tma.cu): a PDL-launched kernel that triggers its dependents at once, sleeps

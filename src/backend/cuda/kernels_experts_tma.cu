@@ -135,12 +135,20 @@ __device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t da, uin
 // GATED (gate_up): tmW = all experts' gate_up weights as [E * 2I, H], tile = 64 gate rows + the matching 64 up rows,
 // act[e 32 + t][I] = bf16(gelu(gate) * up). Else (down): tmW = [E * H, I], tile = 128 consecutive rows, y[e 32 + t][H]
 // (f32). tmX: the expert's padded token rows [E * 32, K], box {64, 32}. rows[e] = valid token rows of expert e (<= 32).
+// GATHER (gate_up only): the token rows come straight from xg [T, H] (slot_token[e 32 + t] = the token in slot t < rows[e],
+// moe_assign_padded) instead of a gathered copy through tmX: the whole producer warp loads them, lane t one row of 128
+// bytes per stage (eight 16-byte cp.async into the 128-byte swizzled layout a TMA box would have written), and each
+// lane arrives on a stage's full barrier once its copies have landed (cp.async.wait_group, then fence.proxy.async so
+// that the tensor cores see them), one stage behind its last issue, as attention_ws_k's producer does. The full
+// barrier then counts 1 + 32 arrivals: the weight boxes' expect_tx, and the 32 lanes. This removes the gather kernel
+// (and its launch) from the critical path between the router and the experts.
 
-template <bool GATED, int kStages>
+template <bool GATED, int kStages, bool GATHER = false>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
-                  int l2_prefetch_slices) {
+                  int l2_prefetch_slices, const bf16* __restrict__ xg, const int32_t* __restrict__ slot_token) {
+  static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
 #if defined(DG_EXPERTS_TMA)
   const int rows_per_expert = GATED ? 2 * I : H, tiles_n = GATED ? I / 64 : H / 128, K = GATED ? H : I;
   const int n_tiles = E * tiles_n, nk = K / kBK;
@@ -159,10 +167,79 @@ __global__ void __launch_bounds__(kThreads, 1)
   // skipped, as before.
   const int first = int(blockIdx.x);
 
+  // The GATHER producer (all 32 lanes of warp 4; see above the kernel). Lane 0 also issues the weight boxes.
+  auto produce_gathered = [&](int ln) {
+    const bool leader = ln == 0;
+    uint64_t evict_first = 0;
+    if (leader) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmW)) : "memory");
+      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
+    }
+    constexpr uint32_t kWBytes = 2 * kWBoxBytes;
+    // Before griddepcontrol.wait: the first stages' weight boxes only (constants), as the TMA producer does.
+    const int npre = first < n_tiles ? (nk < kStages ? nk : kStages) : 0;
+    if (leader && npre > 0) {
+      int row_a, row_b;
+      weight_rows(first, row_a, row_b);
+      for (int kt = 0; kt < npre; ++kt) {
+        const uint32_t st = base + uint32_t(kt) * kStageBytes, full = full0 + 8 * kt;
+        mbar_arrive_expect_tx(full, kWBytes);
+        tma_load_2d(st, &tmW, kt * kBK, row_a, full, evict_first);
+        tma_load_2d(st + kWBoxBytes, &tmW, kt * kBK, row_b, full, evict_first);
+      }
+    }
+    pdl_wait();  // the row counts and slot_token (the assign kernel) and xg (the pre-FFN norm) are final now
+    uint32_t it = 0, pend = 0;
+    bool have_pend = false;
+    const int swz = (ln & 7) * 16;  // 128-byte swizzle: 16-byte chunk c of row ln sits at chunk c ^ (ln & 7)
+    for (int tile = first; tile < n_tiles; tile += int(gridDim.x)) {
+      const int e = tile / tiles_n;
+      const int cnt = __ldcg(rows + e);
+      if (tile != first && cnt <= 0) continue;
+      int row_a, row_b;
+      weight_rows(tile, row_a, row_b);
+      const int tok = ln < cnt ? __ldcg(slot_token + e * kTok + ln) : -1;
+      const bf16* src = xg + (tok >= 0 ? size_t(tok) * size_t(H) : 0);
+      for (int kt = 0; kt < nk; ++kt, ++it) {
+        const int s = int(it % kStages);
+        const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
+        if (!(tile == first && kt < npre)) {  // else: stage kt of the fresh ring, its weights already requested
+          mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
+          if (leader) {
+            mbar_arrive_expect_tx(full, kWBytes);
+            tma_load_2d(st, &tmW, kt * kBK, row_a, full, evict_first);
+            tma_load_2d(st + kWBoxBytes, &tmW, kt * kBK, row_b, full, evict_first);
+          }
+        }
+        const uint32_t xrow = st + 2 * kWBoxBytes + uint32_t(ln) * 128u;
+        const bf16* srow = src + size_t(kt) * kBK;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          const uint32_t dst = xrow + (uint32_t(c * 16) ^ uint32_t(swz));
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(srow + c * 8),
+                       "r"(tok >= 0 ? 16 : 0)
+                       : "memory");
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        if (have_pend) {  // the previous stage's rows have landed: make them visible to wgmma, then arrive
+          asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          mbar_arrive(pend);
+        }
+        pend = full, have_pend = true;
+      }
+    }
+    if (have_pend) {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      mbar_arrive(pend);
+    }
+  };
+
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full0 + 8 * s, 1);   // the producer's expect_tx arrive + the TMA bytes
+      mbar_init(full0 + 8 * s, GATHER ? 33 : 1);  // the producer's expect_tx arrive + the TMA bytes (+ 32 lanes)
       mbar_init(empty0 + 8 * s, 4);  // one arrive per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -178,6 +255,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   pdl_trigger();
 
   if (warp == 4) {
+    if constexpr (GATHER) {
+      produce_gathered(lane);
+      return;
+    }
     if (lane != 0) return;
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmW)) : "memory");
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmX)) : "memory");
@@ -335,7 +416,11 @@ bool experts_tma_supported(int M, int H, int I) {
                              std::pair{experts_tma_k<true, kStagesShared5>, kStagesShared5},
                              std::pair{experts_tma_k<false, kStagesShared5>, kStagesShared5},
                              std::pair{experts_tma_k<true, kStagesOwn>, kStagesOwn},
-                             std::pair{experts_tma_k<false, kStagesOwn>, kStagesOwn}})
+                             std::pair{experts_tma_k<false, kStagesOwn>, kStagesOwn},
+                             std::pair{experts_tma_k<true, kStagesShared, true>, kStagesShared},
+                             std::pair{experts_tma_k<true, kStagesShared3, true>, kStagesShared3},
+                             std::pair{experts_tma_k<true, kStagesShared5, true>, kStagesShared5},
+                             std::pair{experts_tma_k<true, kStagesOwn, true>, kStagesOwn}})
       CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(stages)));
     return true;
   }();
@@ -371,9 +456,10 @@ int sm_count() {
   }();
   return n;
 }
-template <bool GATED>
+template <bool GATED, bool GATHER>
 void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, int E, int H, int I, bf16* act,
-                        float* y, const TmaExpertsPlan& plan, cudaStream_t s) {
+                        float* y, const TmaExpertsPlan& plan, cudaStream_t s, const bf16* xg = nullptr,
+                        const int32_t* slot_token = nullptr) {
   const int tiles = E * (GATED ? I / 64 : H / 128);
   if (tiles == 0) return;
   CUtensorMap mw, mx;
@@ -382,22 +468,21 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   const int pf = std::max(0, plan.l2_prefetch_slices);
   // With the PDL attribute (launch.cuh; dropped while pdl_enabled() is false): the kernel's producer streams its
   // first stages' weights before griddepcontrol.wait (see the kernel).
+  auto go = [&](auto kernel, int stages, int grid) {
+    launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
+               act, y, pf, xg, slot_token);
+  };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;  // blocks that fit an SM's shared memory
     const int grid = std::min(tiles, plan.grid > 0 ? std::min(plan.grid, per_sm * sm_count()) : 2 * sm_count());
     if (plan.stages == kStagesShared3)
-      launch_pdl(experts_tma_k<GATED, kStagesShared3>, dim3(unsigned(grid)), dim3(kThreads),
-                 size_t(smem_bytes(kStagesShared3)), s, mw, mx, rows, E, H, I, act, y, pf);
+      go(experts_tma_k<GATED, kStagesShared3, GATHER>, kStagesShared3, grid);
     else if (plan.stages == kStagesShared5)
-      launch_pdl(experts_tma_k<GATED, kStagesShared5>, dim3(unsigned(grid)), dim3(kThreads),
-                 size_t(smem_bytes(kStagesShared5)), s, mw, mx, rows, E, H, I, act, y, pf);
+      go(experts_tma_k<GATED, kStagesShared5, GATHER>, kStagesShared5, grid);
     else
-      launch_pdl(experts_tma_k<GATED, kStagesShared>, dim3(unsigned(grid)), dim3(kThreads),
-                 size_t(smem_bytes(kStagesShared)), s, mw, mx, rows, E, H, I, act, y, pf);
+      go(experts_tma_k<GATED, kStagesShared, GATHER>, kStagesShared, grid);
   } else {
-    const int grid = std::min(tiles, plan.sms);
-    launch_pdl(experts_tma_k<GATED, kStagesOwn>, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(kStagesOwn)),
-               s, mw, mx, rows, E, H, I, act, y, pf);
+    go(experts_tma_k<GATED, kStagesOwn, GATHER>, kStagesOwn, std::min(tiles, plan.sms));
   }
 }
 
@@ -432,12 +517,20 @@ __global__ void delayed_copy_k(const unsigned char* __restrict__ src0, unsigned 
 
 void moe_gate_up_padded_tma(const TmaMap& w, const TmaMap& xs, const int32_t* rows, int E, int H, int I, bf16* act,
                             cudaStream_t s, const TmaExpertsPlan& plan) {
-  launch_experts_tma<true>(w, xs, rows, E, H, I, act, nullptr, plan, s);
+  launch_experts_tma<true, false>(w, xs, rows, E, H, I, act, nullptr, plan, s);
+}
+
+void moe_gate_up_padded_tma_gathered(const TmaMap& w, const bf16* x, const int32_t* slot_token, const int32_t* rows,
+                                     int E, int H, int I, bf16* act, cudaStream_t s, const TmaExpertsPlan& plan) {
+  if ((reinterpret_cast<uintptr_t>(x) & 15) != 0 || H % 8 != 0)
+    throw_cuda_error("moe_gate_up_padded_tma_gathered", "x must be 16-byte aligned with H a multiple of 8", 0,
+                     __FILE__, __LINE__);
+  launch_experts_tma<true, true>(w, w, rows, E, H, I, act, nullptr, plan, s, x, slot_token);
 }
 
 void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
                          cudaStream_t s, const TmaExpertsPlan& plan) {
-  launch_experts_tma<false>(w, act, rows, E, H, I, nullptr, y, plan, s);
+  launch_experts_tma<false, false>(w, act, rows, E, H, I, nullptr, y, plan, s);
 }
 
 void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const void* src1, void* dst1, size_t bytes1,

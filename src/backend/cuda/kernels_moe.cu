@@ -137,7 +137,7 @@ __global__ void route_top_k_warp_k(const float* logits, int T, int E, int k, con
 // meta (M > 0, may be null): see moe_group_padded. cnt: E ints of shared memory. idx is read through L2 (__ldcg):
 // router_route_k's last block assigns pairs that other blocks of the same launch wrote.
 __device__ void assign_pairs(const int32_t* idx, int P, int E, int M, int32_t* ovf, int32_t* sorted_pos,
-                             int32_t* meta, int* cnt) {
+                             int32_t* meta, int* cnt, int k = 1, int32_t* slot_token = nullptr) {
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&cnt[__ldcg(idx + i)], 1);
@@ -173,15 +173,16 @@ __device__ void assign_pairs(const int32_t* idx, int P, int E, int M, int32_t* o
   for (int i = threadIdx.x; i < P; i += blockDim.x) {
     const int e = __ldcg(idx + i), slot = atomicAdd(&cnt[e], 1);
     sorted_pos[i] = slot < M ? e * M + slot : ovf[e] + slot - M;
+    if (slot_token && slot < M) slot_token[e * M + slot] = i / k;
   }
 }
 
 __global__ void moe_assign_k(const int32_t* idx, int P, int E, int M, int32_t* ovf, int32_t* sorted_pos,
-                             int32_t* meta) {
+                             int32_t* meta, int k, int32_t* slot_token) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   extern __shared__ int cnt[];  // [E] counts, then cursors
-  assign_pairs(idx, P, E, M, ovf, sorted_pos, meta, cnt);
+  assign_pairs(idx, P, E, M, ovf, sorted_pos, meta, cnt, k, slot_token);
 }
 
 // ---- the router of canvas-sized passes (router_top_k_assign): two launches instead of five ----
@@ -369,11 +370,12 @@ __global__ void __launch_bounds__(kGeluQuadThreads) moe_gelu_mul_padded_quad_k(c
   }
 }
 
-__global__ void moe_gather_k(const int32_t* sorted_pos, int k, const uint4* x, int hvec, uint4* xs) {
+__global__ void moe_gather_k(const int32_t* sorted_pos, int k, const uint4* x, int hvec, uint4* xs, int min_row) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
-  const int pair = blockIdx.x, t = pair / k;
-  const size_t dst = size_t(sorted_pos[pair]) * hvec;
+  const int pair = blockIdx.x, t = pair / k, row = sorted_pos[pair];
+  if (row < min_row) return;
+  const size_t dst = size_t(row) * hvec;
   for (int i = threadIdx.x; i < hvec; i += blockDim.x) xs[dst + i] = x[size_t(t) * hvec + i];
 }
 
@@ -558,18 +560,24 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
   CUDA_CHECK_LAUNCH();
 }
 
+void moe_assign_padded(const int32_t* idx, int T, int k, int E, int M, int32_t* ovf_offsets, int32_t* sorted_pos,
+                       int32_t* meta, int32_t* slot_token, cudaStream_t s) {
+  launch_pdl(moe_assign_k, dim3(1), dim3(1024), size_t(E) * sizeof(int), s, idx, T * k, E, M, ovf_offsets,
+             sorted_pos, M > 0 ? meta : nullptr, k, M > 0 ? slot_token : nullptr);
+  CUDA_CHECK_LAUNCH();
+}
+
 void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int M, int32_t* ovf_offsets,
                       int32_t* sorted_pos, bf16* xs, cudaStream_t s, int32_t* meta) {
-  const int P = T * k;
-  launch_pdl(moe_assign_k, dim3(1), dim3(1024), size_t(E) * sizeof(int), s, idx, P, E, M, ovf_offsets, sorted_pos, M > 0 ? meta : nullptr);
-  CUDA_CHECK_LAUNCH();
+  moe_assign_padded(idx, T, k, E, M, ovf_offsets, sorted_pos, meta, nullptr, s);
   moe_gather(sorted_pos, T, k, x, H, xs, s);
 }
 
-void moe_gather(const int32_t* sorted_pos, int T, int k, const bf16* x, int H, bf16* xs, cudaStream_t s) {
+void moe_gather(const int32_t* sorted_pos, int T, int k, const bf16* x, int H, bf16* xs, cudaStream_t s,
+                int min_row) {
   if (T * k == 0) return;
   launch_pdl(moe_gather_k, dim3(T * k), dim3(128), 0, s, sorted_pos, k, reinterpret_cast<const uint4*>(x), H / 8,
-                                     reinterpret_cast<uint4*>(xs));
+             reinterpret_cast<uint4*>(xs), min_row);
   CUDA_CHECK_LAUNCH();
 }
 
