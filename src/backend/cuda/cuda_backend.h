@@ -70,9 +70,10 @@ struct CudaOptions {
   // A/B: bench --cublas-experts. Elsewhere (other GPUs, other shapes) the cuBLASLt path runs.
   bool tma_experts = true;
   // With tma_experts: gate_up reads each expert's token rows straight from the expert input (moe_assign_padded's
-  // slot_token) instead of a gathered copy, so no gather kernel sits between the router and the experts
-  // (bench --tma-gather; off until measured on a GPU).
-  bool tma_gather_rows = false;
+  // slot_token) instead of a gathered copy, so no gather kernel sits between the router and the experts. Same
+  // results, bitwise. H200, same call: 4K step 17.64 / 17.63 ms against 18.14 with the gather (docs/BENCHMARKS.md,
+  // session 5). A/B: bench --no-tma-gather.
+  bool tma_gather_rows = true;
   // With tma_experts: the down GEMM on the TMA kernel too. Off: it measured 0.3 ms a step slower than cuBLASLt down
   // (4.39 vs 4.09 ms summed over the layers; bench --tma-experts-down).
   bool tma_experts_down = false;
