@@ -611,8 +611,10 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     // moe_group_padded in its two halves, so that the gathered gate_up below sees the same slots as xs
     moe_assign_padded(didx.p, T, k, E, M, ovf.p, spos.p, meta.p, slot.p, nullptr);
     moe_gather(spos.p, T, k, dx.p, H, xs.p, nullptr);
-    const TmaMap wgu = tma_map_bf16_rows(dgu.p, int64_t(E) * 2 * I, H, 64), xm = tma_map_bf16_rows(xs.p, int64_t(E) * M, H, M);
-    const TmaMap wdn = tma_map_bf16_rows(ddn.p, int64_t(E) * H, I, 64), am = tma_map_bf16_rows(act.p, int64_t(E) * M, I, M);
+    const TmaMap wgu = tma_map_bf16_rows(dgu.p, int64_t(E) * 2 * I, H, 64),
+                 xm = tma_map_bf16_rows(xs.p, int64_t(E) * M, H, M);
+    const TmaMap wdn = tma_map_bf16_rows(ddn.p, int64_t(E) * H, I, 64),
+                 am = tma_map_bf16_rows(act.p, int64_t(E) * M, I, M);
     const int32_t* valid = meta.p + 1 + E;
     ASSERT_TRUE(pdl_enabled());
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act2.p, nullptr, {.sms = 5});
@@ -751,8 +753,10 @@ TEST(CudaKernels, MoeExpertsPaddedTmaLatePredecessor) {
     dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx);
     moe_assign_padded(didx.p, T, k, E, M, ovf.p, spos.p, meta_src.p, meta_src.p + n_meta, nullptr);
     moe_gather(spos.p, T, k, dx.p, H, xs_src.p, nullptr);
-    const TmaMap wgu = tma_map_bf16_rows(dgu.p, int64_t(E) * 2 * I, H, 64), xm = tma_map_bf16_rows(xs.p, int64_t(E) * M, H, M);
-    const TmaMap wdn = tma_map_bf16_rows(ddn.p, int64_t(E) * H, I, 64), am = tma_map_bf16_rows(act.p, int64_t(E) * M, I, M);
+    const TmaMap wgu = tma_map_bf16_rows(dgu.p, int64_t(E) * 2 * I, H, 64),
+                 xm = tma_map_bf16_rows(xs.p, int64_t(E) * M, H, M);
+    const TmaMap wdn = tma_map_bf16_rows(ddn.p, int64_t(E) * H, I, 64),
+                 am = tma_map_bf16_rows(act.p, int64_t(E) * M, I, M);
     const int32_t* valid = meta.p + 1 + E;
     // reference: inputs in place long before, one kernel at a time
     CUDA_CHECK(cudaMemcpy(xs.p, xs_src.p, rows * H * sizeof(bf16), cudaMemcpyDeviceToDevice));
@@ -773,7 +777,8 @@ TEST(CudaKernels, MoeExpertsPaddedTmaLatePredecessor) {
         CUDA_CHECK(cudaMemsetAsync(y.p, 0xff, rows * H * sizeof(float), st));
         delayed_copy_for_test(xs_src.p, xs.p, rows * H * sizeof(bf16), meta_src.p, meta.p, n_meta * sizeof(int32_t),
                               delay_us, st);
-        moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act.p, st, {.sms = sms, .l2_prefetch_slices = run % 2 == 0 ? 0 : 4});
+        moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act.p, st,
+                               {.sms = sms, .l2_prefetch_slices = run % 2 == 0 ? 0 : 4});
         moe_down_padded_tma(wdn, am, valid, E, H, I, y.p, st, {.sms = sms, .l2_prefetch_slices = run % 2 == 0 ? 0 : 4});
         CUDA_CHECK(cudaStreamSynchronize(st));
         const auto a = act.get();

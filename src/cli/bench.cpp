@@ -368,7 +368,8 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "ring stages of the TMA expert kernels' blocks (CudaOptions::tma_experts_stages)")
                            ->check(CLI::IsMember({3, 4, 5}));
                        sub.add_option("--dense-mlp-sms", a->dense_mlp_sms,
-                                      "plan the concurrent dense MLP's GEMMs for this many SMs (0: all; default: CudaOptions' 48)")
+                                      "plan the concurrent dense MLP's GEMMs for this many SMs (0: all; default: "
+                                      "CudaOptions' 48)")
                            ->check(CLI::NonNegativeNumber);
                        sub.add_flag("--untuned-gemm", a->untuned_gemm,
                                     "A/B: cuBLASLt's heuristic first pick for every GEMM instead of the pinned table "

@@ -890,7 +890,8 @@ std::shared_ptr<CudaWeights> upload_cuda_weights(const LoadedModel& model, const
   return std::make_shared<CudaWeights>(&model, model.config, 0, options);
 }
 
-std::shared_ptr<CudaWeights> synthetic_cuda_weights(const ModelConfig& config, uint64_t seed, const CudaOptions& options) {
+std::shared_ptr<CudaWeights> synthetic_cuda_weights(const ModelConfig& config, uint64_t seed,
+                                                    const CudaOptions& options) {
   return std::make_shared<CudaWeights>(nullptr, config, seed, options);
 }
 

@@ -4,12 +4,12 @@
 //
 // Layout of a block (160 threads): warps 0-3 are one consumer warpgroup issuing wgmma in the "swap AB" form (the
 // expert's weights are the M side, its 32 token rows the N side: wgmma.m64n32k16); warp 4 is the producer, one
-// thread issuing every TMA load (2D tensor maps, 128B swizzle) into a 4-stage mbarrier ring. A tile is 128 weight rows of one
-// expert (gate_up: 64 gate rows n0..n0+63 and the matching 64 up rows; down: 128 consecutive output rows); a stage is
-// one 64-wide k slice of them (2 x 8 KB) plus the expert's 32 x 64 token box (4 KB). Blocks are persistent (2 per SM, or 1 per SM on a
-// given number of SMs) and stride over the tiles, the ring running on
-// across tiles, so the next tile's loads overlap this tile's epilogue. Experts with 0 rows are skipped (no weight
-// reads). Every output element is computed by one block in a fixed k order: bitwise deterministic.
+// thread issuing every TMA load (2D tensor maps, 128B swizzle) into a 4-stage mbarrier ring. A tile is 128 weight rows
+// of one expert (gate_up: 64 gate rows n0..n0+63 and the matching 64 up rows; down: 128 consecutive output rows); a
+// stage is one 64-wide k slice of them (2 x 8 KB) plus the expert's 32 x 64 token box (4 KB). Blocks are persistent (2
+// per SM, or 1 per SM on a given number of SMs) and stride over the tiles, the ring running on across tiles, so the
+// next tile's loads overlap this tile's epilogue. Experts with 0 rows are skipped (no weight reads). Every output
+// element is computed by one block in a fixed k order: bitwise deterministic.
 //
 // Padding rows (t >= rows of the expert) hold whatever the buffer held: a wgmma output column depends only on its own
 // token row, and those columns are never stored.
@@ -39,6 +39,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_util.cuh"
+#include "backend/cuda/hopper_tma.cuh"
 #include "backend/cuda/launch.cuh"
 
 namespace dg::cuda {
@@ -63,33 +64,13 @@ static_assert(kStageBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte align
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DG_EXPERTS_TMA 1
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ uint64_t globaltimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using namespace hopper;
 // Waits for the phase of parity `parity`. A lost TMA transaction would otherwise hang the process with the GPU busy;
 // after 10 s the kernel traps instead (a launch error the caller reports).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint64_t t0 = 0;
   for (uint32_t spin = 0;; ++spin) {
-    uint32_t done;
-    asm volatile(
-        "{\n .reg .pred P1;\n mbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\n selp.b32 %0, 1, 0, P1;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    if (done) return;
+    if (mbar_try_wait(bar, parity)) return;
     if ((spin & 1023u) == 0) {
       const uint64_t t = globaltimer();
       if (spin == 0) t0 = t;
@@ -97,51 +78,18 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     }
   }
 }
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar,
-                                            uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "l"(policy)
-      : "memory");
-}
-// L2 prefetch of one box (no shared memory, no completion to wait for).
-__device__ __forceinline__ void tma_prefetch_l2_2d(const CUtensorMap* map, int c0, int c1) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global [%0, {%1, %2}];" ::"l"(reinterpret_cast<uint64_t>(map)),
-               "r"(c0), "r"(c1)
-               : "memory");
-}
-// Descriptor of a K-major tile of 128-byte rows written by TMA with 128B swizzle: SBO = 1024 B between 8-row groups,
-// LBO unused (1), layout 1 = 128B swizzle. The k16 step j starts 32 j bytes into the row: +2 j on the encoded start.
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
-__device__ __forceinline__ void fence_acc(float (&d)[16]) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-// D[64 x 32] f32 += A[64 x 16] (weights, K-major) * B[16 x 32] (token rows, K-major)
-__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t da, uint64_t db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(da), "l"(db), "r"(1));
-}
 #endif
 
 // GATED (gate_up): tmW = all experts' gate_up weights as [E * 2I, H], tile = 64 gate rows + the matching 64 up rows,
 // act[e 32 + t][I] = bf16(gelu(gate) * up). Else (down): tmW = [E * H, I], tile = 128 consecutive rows, y[e 32 + t][H]
 // (f32). tmX: the expert's padded token rows [E * 32, K], box {64, 32}. rows[e] = valid token rows of expert e (<= 32).
-// GATHER (gate_up only): the token rows come straight from xg [T, H] (slot_token[e 32 + t] = the token in slot t < rows[e],
-// moe_assign_padded) instead of a gathered copy through tmX: the whole producer warp loads them, lane t one row of 128
-// bytes per stage (eight 16-byte cp.async into the 128-byte swizzled layout a TMA box would have written), and each
-// lane arrives on a stage's full barrier once its copies have landed (cp.async.wait_group, then fence.proxy.async so
-// that the tensor cores see them), one stage behind its last issue, as attention_ws_k's producer does. The full
-// barrier then counts 1 + 32 arrivals: the weight boxes' expect_tx, and the 32 lanes. This removes the gather kernel
-// (and its launch) from the critical path between the router and the experts.
+// GATHER (gate_up only): the token rows come straight from xg [T, H] (slot_token[e 32 + t] = the token in slot t <
+// rows[e], moe_assign_padded) instead of a gathered copy through tmX: the whole producer warp loads them, lane t one
+// row of 128 bytes per stage (eight 16-byte cp.async into the 128-byte swizzled layout a TMA box would have written),
+// and each lane arrives on a stage's full barrier once its copies have landed (cp.async.wait_group, then
+// fence.proxy.async so that the tensor cores see them), one stage behind its last issue, as attention_ws_k's producer
+// does. The full barrier then counts 1 + 32 arrivals: the weight boxes' expect_tx, and the 32 lanes. This removes the
+// gather kernel (and its launch) from the critical path between the router and the experts.
 
 template <bool GATED, int kStages, bool GATHER = false>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -166,6 +114,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   // tile of wasted reads and math and stores nothing (cnt <= 0 in the epilogue). Later tiles of empty experts are
   // skipped, as before.
   const int first = int(blockIdx.x);
+  // Ring uses 0 .. npre-1 (stage s = use) are the first tile's first stages, whose weights are requested before
+  // griddepcontrol.wait.
+  const int npre = first < n_tiles ? (nk < kStages ? nk : kStages) : 0;
+  // One stage's two weight boxes (k slice kt of the tile's rows row_a / row_b), after one arrive.expect_tx of `expect`
+  // bytes on its full barrier.
+  auto issue_weights = [&](uint32_t st, uint32_t full, int kt, int row_a, int row_b, uint32_t expect,
+                           uint64_t policy) {
+    mbar_arrive_expect_tx(full, expect);
+    tma_load_2d(st, &tmW, kt * kBK, row_a, full, policy);
+    tma_load_2d(st + kWBoxBytes, &tmW, kt * kBK, row_b, full, policy);
+  };
 
   // The GATHER producer (all 32 lanes of warp 4; see above the kernel). Lane 0 also issues the weight boxes.
   auto produce_gathered = [&](int ln) {
@@ -177,16 +136,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     constexpr uint32_t kWBytes = 2 * kWBoxBytes;
     // Before griddepcontrol.wait: the first stages' weight boxes only (constants), as the TMA producer does.
-    const int npre = first < n_tiles ? (nk < kStages ? nk : kStages) : 0;
     if (leader && npre > 0) {
       int row_a, row_b;
       weight_rows(first, row_a, row_b);
-      for (int kt = 0; kt < npre; ++kt) {
-        const uint32_t st = base + uint32_t(kt) * kStageBytes, full = full0 + 8 * kt;
-        mbar_arrive_expect_tx(full, kWBytes);
-        tma_load_2d(st, &tmW, kt * kBK, row_a, full, evict_first);
-        tma_load_2d(st + kWBoxBytes, &tmW, kt * kBK, row_b, full, evict_first);
-      }
+      for (int kt = 0; kt < npre; ++kt)
+        issue_weights(base + uint32_t(kt) * kStageBytes, full0 + 8 * kt, kt, row_a, row_b, kWBytes, evict_first);
     }
     pdl_wait();  // the row counts and slot_token (the assign kernel) and xg (the pre-FFN norm) are final now
     uint32_t it = 0, pend = 0;
@@ -205,11 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
         if (!(tile == first && kt < npre)) {  // else: stage kt of the fresh ring, its weights already requested
           mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
-          if (leader) {
-            mbar_arrive_expect_tx(full, kWBytes);
-            tma_load_2d(st, &tmW, kt * kBK, row_a, full, evict_first);
-            tma_load_2d(st + kWBoxBytes, &tmW, kt * kBK, row_b, full, evict_first);
-          }
+          if (leader) issue_weights(st, full, kt, row_a, row_b, kWBytes, evict_first);
         }
         const uint32_t xrow = st + 2 * kWBoxBytes + uint32_t(ln) * 128u;
         const bf16* srow = src + size_t(kt) * kBK;
@@ -281,16 +231,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     // stale. A TMA box always completes its full byte count (out-of-bounds parts are zero-filled and counted).
     // These are ring uses it = 0 .. npre-1 (stage s = it), the fresh ring's first round: no empty barrier to wait
     // for (the loop below would pass it at once, parity 1 on a fresh barrier).
-    const int npre = first < n_tiles ? (nk < kStages ? nk : kStages) : 0;
     if (npre > 0) {
       int row_a, row_b;
       weight_rows(first, row_a, row_b);
-      for (int kt = 0; kt < npre; ++kt) {
-        const uint32_t st = base + uint32_t(kt) * kStageBytes, full = full0 + 8 * kt;
-        mbar_arrive_expect_tx(full, kStageBytes);
-        tma_load_2d(st, &tmW, kt * kBK, row_a, full, evict_first);
-        tma_load_2d(st + kWBoxBytes, &tmW, kt * kBK, row_b, full, evict_first);
-      }
+      for (int kt = 0; kt < npre; ++kt)
+        issue_weights(base + uint32_t(kt) * kStageBytes, full0 + 8 * kt, kt, row_a, row_b, kStageBytes, evict_first);
       // Optionally warm L2 with the next weight slices of the first tile (no shared memory, no barrier: a hint;
       // the ring loads of those slices below then hit L2). Also weights only.
       const int pf_end = npre + l2_prefetch_slices < nk ? npre + l2_prefetch_slices : nk;
@@ -318,9 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = int(it % kStages);
         mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);  // first round passes on the fresh barrier
         const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
-        mbar_arrive_expect_tx(full, kStageBytes);
-        tma_load_2d(st, &tmW, kt * kBK, row_a, full, evict_first);
-        tma_load_2d(st + kWBoxBytes, &tmW, kt * kBK, row_b, full, evict_first);
+        issue_weights(st, full, kt, row_a, row_b, kStageBytes, evict_first);
         tma_load_2d(st + 2 * kWBoxBytes, &tmX, kt * kBK, e * kTok, full, evict_normal);
       }
     }
@@ -537,7 +480,8 @@ void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const vo
                            int delay_us, cudaStream_t s) {
   launch_pdl(delayed_copy_k, dim3(128), dim3(256), 0, s, static_cast<const unsigned char*>(src0),
              static_cast<unsigned char*>(dst0), bytes0, static_cast<const unsigned char*>(src1),
-             static_cast<unsigned char*>(dst1), bytes1, static_cast<unsigned long long>(std::max(0, delay_us)) * 1000ull);
+             static_cast<unsigned char*>(dst1), bytes1,
+             static_cast<unsigned long long>(std::max(0, delay_us)) * 1000ull);
 }
 
 }  // namespace dg::cuda

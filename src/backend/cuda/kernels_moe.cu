@@ -552,7 +552,8 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
     throw_cuda_error("route_top_k", "unsupported expert count / top-k", 0, __FILE__, __LINE__);
   if (E <= 32 * kPerLane && k <= 32) {
     constexpr int kWarps = 8;
-    launch_pdl(route_top_k_warp_k, dim3((T + kWarps - 1) / kWarps), dim3(32 * kWarps), 0, s, logits, T, E, k, per_expert_scale, idx, w);
+    launch_pdl(route_top_k_warp_k, dim3((T + kWarps - 1) / kWarps), dim3(32 * kWarps), 0, s, logits, T, E, k,
+               per_expert_scale, idx, w);
   } else {
     int threads = E >= 1024 ? 1024 : (E + 31) / 32 * 32;
     route_top_k_k<<<T, threads, size_t(E) * sizeof(float), s>>>(logits, E, k, per_expert_scale, idx, w);
@@ -607,8 +608,8 @@ void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, in
 void moe_gelu_mul_padded(const float* gu, int E, int M, int I, const int32_t* meta, bf16* act, cudaStream_t s) {
   if (E == 0 || M == 0) return;
   if (I % 4 == 0 && E <= 65535) {
-    launch_pdl(moe_gelu_mul_padded_quad_k, dim3(dim3(unsigned(E), kGeluRowSplit)), dim3(kGeluQuadThreads), 0, s, gu, M, I, meta + 1 + E,
-                                                                                             act);
+    launch_pdl(moe_gelu_mul_padded_quad_k, dim3(dim3(unsigned(E), kGeluRowSplit)), dim3(kGeluQuadThreads), 0, s, gu, M,
+               I, meta + 1 + E, act);
     CUDA_CHECK_LAUNCH();
     return;
   }

@@ -66,6 +66,8 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/hopper_tma.cuh"
+
 #define CK(x)                                                                                          \
   do {                                                                                                 \
     auto e_ = (x);                                                                                     \
@@ -103,23 +105,9 @@ static_assert(kH % kBK == 0 && kI % kBK == 0 && kI % 64 == 0 && kH % 128 == 0, "
 constexpr int smem_bytes(int stages) { return 1024 /* alignment slack */ + stages * kStageBytes + stages * 16; }
 
 // ---------------------------------------------------------------------------------------------------------------
-// PTX wrappers (spellings as in CUTLASS's cute/arch/copy_sm90*.hpp, mma_sm90_gmma.hpp, barrier.h).
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+// PTX wrappers: the shared ones in src/backend/cuda/hopper_tma.cuh, the bench-only ones here.
+using namespace dg::cuda::hopper;
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ uint64_t globaltimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 // Diagnostics for a trapped kernel: device printf is a function call, and any call in the kernel makes ptxas
 // serialize the wgmmas (warning C7510), so a failing guard writes what it saw into pinned, mapped host memory
 // (readable by the host after the trap has killed the context) and traps. Layout: {code (1 = mbarrier timeout,
@@ -139,15 +127,9 @@ __device__ __forceinline__ void diag_trap(int code, int stage, int parity, int r
 // Waits until the phase with parity `parity` of the barrier has completed. A wrong parity or byte count would hang
 // the GPU call; instead trap after ~2 s, leaving which wait it was in g_diag.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, int stage, int role, uint32_t it) {
-  uint32_t done = 0;
   uint64_t t0 = 0;
   for (uint32_t spin = 0;; ++spin) {
-    asm volatile(
-        "{\n .reg .pred P1;\n mbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\n selp.b32 %0, 1, 0, P1;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    if (done) return;
+    if (mbar_try_wait(bar, parity)) return;
     if ((spin & 1023) == 0) {
       const uint64_t t = globaltimer();
       if (spin == 0) t0 = t;
@@ -161,16 +143,9 @@ __device__ __forceinline__ uint64_t l2_evict_first_policy() {
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
   return p;
 }
-// 2D tile load: box at coordinates (c0 = k, c1 = row) of the tensor map into shared memory, completing `bar`'s
-// transaction count by the box's bytes.
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar,
-                                            uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "l"(policy)
-      : "memory");
-}
+// tma_load_2d without an L2 policy, beside hopper_tma.cuh's with one (the using-declaration keeps both overloads
+// visible here).
+using dg::cuda::hopper::tma_load_2d;
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -179,46 +154,12 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-// wgmma shared-memory matrix descriptor for a K-major tile whose rows are 128 B (64 bf16) and were written by TMA
-// with CU_TENSOR_MAP_SWIZZLE_128B: 16-byte chunk c of row r sits at chunk c ^ (r % 8), 8-row groups 1024 B apart.
-//   bits  0-13: start address >> 4     bits 16-29: leading byte offset >> 4 (not used by swizzled K-major; 1)
-//   bits 32-45: stride byte offset >> 4 = 1024 >> 4 (distance between 8-row core-matrix groups)
-//   bits 49-51: base offset = 0 (the tile starts 1024-aligned)   bits 62-63: layout = 1 (128B swizzle)
-// The k16 step j of the 64-wide slice starts 32*j bytes into the row: add 2*j to the encoded start address (the
-// hardware applies the XOR swizzle to the computed address, which is why the tile itself must be 1024-aligned).
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
-
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
-// Keeps the compiler from moving accesses of the accumulators across wgmma issue / wait (CUTLASS's
-// warpgroup_fence_operand).
-__device__ __forceinline__ void fence_acc(float (&d)[16]) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-// D[64 x 32] (f32) += A[64 x 16] * B[16 x 32]; A = 64 weight rows (K-major in smem), B = 32 token rows (K-major in
-// smem, i.e. "B^T row-major", no transpose flag). scale-d = 1 (accumulate; the accumulators are zeroed by the
-// caller), scale-a = scale-b = 1, no transposes.
-__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t da, uint64_t db) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-      "%16, %17, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(da), "l"(db), "r"(1));
-}
-
 __device__ __forceinline__ float gelu_tanh(float x) {  // same formula as src/backend/cuda/cuda_util.cuh
   const float k = 0.7978845608028654f;
   return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
