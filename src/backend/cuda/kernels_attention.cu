@@ -178,6 +178,29 @@ __device__ __forceinline__ KeyRange key_range(const AttentionArgs& a, const Spli
   return r;
 }
 
+// Where a block of an attention kernel works: the GQA group size g (query heads per kv head), its kv head and key
+// split (blockIdx y, z), its first query row m0 (row tile `tile` of `tiles`; causal passes take the latest queries,
+// the heaviest tiles, first) and its keys (key_range).
+struct BlockPlace {
+  int g, kvh, split, rows_total, m0;
+  KeyRange kr;
+};
+template <int BM, int BN>
+__device__ __forceinline__ BlockPlace block_place(const AttentionArgs& a, const Split& sp, int tile, int tiles) {
+  BlockPlace p;
+  p.g = a.nh / a.nkv, p.kvh = int(blockIdx.y), p.split = int(blockIdx.z), p.rows_total = a.T * p.g;
+  p.m0 = (a.causal ? tiles - 1 - tile : tile) * BM;
+  p.kr = key_range<BM, BN>(a, sp, p.split, p.m0, p.rows_total, p.g);
+  return p;
+}
+// The query positions of a thread's two rows row0 and row0 + 8 (for the causal mask; rows past the last one, the
+// tile's padding, take the last row's).
+__device__ __forceinline__ void row_positions(const AttentionArgs& a, int row0, int rows_total, int g,
+                                              int64_t (&qp)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) qp[h] = a.q_pos0 + min(row0 + h * 8, rows_total - 1) / g;
+}
+
 // The end of every attention kernel for one thread: its two rows' l (lane-partial until here) summed over the quad
 // (commutative order: all 4 lanes agree bitwise), then the rows written, the normalized bf16 output when the keys
 // are not split, else this split's f32 partial O and (m, l). row0: the thread's first row (the second is row0 + 8);
@@ -224,23 +247,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_k(AttentionArgs a, Spli
   float* Xs = reinterpret_cast<float*>(smem + C::q_bytes + 4 * C::kv_bytes);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
   const int rg = warp / NS, dp = warp % NS;
-  const int g = a.nh / a.nkv, kvh = blockIdx.y, split = blockIdx.z;
-  const int rows_total = a.T * g;
-  // causal: the heaviest row tiles (latest queries) first
-  const int bx = a.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int m0 = bx * BM;
-
-  const KeyRange kr = key_range<BM, BN>(a, sp, split, m0, rows_total, g);
-  const int64_t q_min = kr.q_min, q_max = kr.q_max;
-  int64_t jb = kr.jb, je = kr.je;
+  const BlockPlace bp = block_place<BM, BN>(a, sp, int(blockIdx.x), int(gridDim.x));
+  const int g = bp.g, kvh = bp.kvh, split = bp.split, rows_total = bp.rows_total, m0 = bp.m0;
+  const int64_t q_min = bp.kr.q_min, q_max = bp.kr.q_max;
+  int64_t jb = bp.kr.jb, je = bp.kr.je;
 
   // The lane's two rows (grp, grp + 8 of its 16) and their query positions (for the causal mask).
   int64_t qp[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int gr = min(m0 + rg * 16 + grp + h * 8, rows_total - 1);
-    qp[h] = a.q_pos0 + gr / g;
-  }
+  row_positions(a, m0 + rg * 16 + grp, rows_total, g, qp);
   float o[OT][4];
 #pragma unroll
   for (int t = 0; t < OT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
@@ -673,20 +687,12 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
   const int wg = tid >> 7, wwarp = warp & 3;
   const int rbase = wg * 64;  // first row of this warpgroup in the block's tile
-  const int g = a.nh / a.nkv, kvh = blockIdx.y, split = blockIdx.z;
-  const int rows_total = a.T * g;
-  const int bx = a.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int m0 = bx * BM;
-
-  const KeyRange kr = key_range<BM, BN>(a, sp, split, m0, rows_total, g);
-  const int64_t q_min = kr.q_min, q_max = kr.q_max;
-  int64_t jb = kr.jb, je = kr.je;
+  const BlockPlace bp = block_place<BM, BN>(a, sp, int(blockIdx.x), int(gridDim.x));
+  const int g = bp.g, kvh = bp.kvh, split = bp.split, rows_total = bp.rows_total, m0 = bp.m0;
+  const int64_t q_min = bp.kr.q_min, q_max = bp.kr.q_max;
+  int64_t jb = bp.kr.jb, je = bp.kr.je;
   int64_t qp[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int gr = min(m0 + rbase + wwarp * 16 + grp + h * 8, rows_total - 1);
-    qp[h] = a.q_pos0 + gr / g;
-  }
+  row_positions(a, m0 + rbase + wwarp * 16 + grp, rows_total, g, qp);
   float o[OT * 4];
 #pragma unroll
   for (int t = 0; t < OT * 4; ++t) o[t] = 0.0f;
@@ -879,13 +885,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
   constexpr uint32_t kVLbo = RS, kVSbo = 128;
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x;
-  const int g = a.nh / a.nkv, kvh = blockIdx.y, split = blockIdx.z;
-  const int rows_total = a.T * g;
-  const int bx = a.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int m0 = bx * BM;
-  const KeyRange kr = key_range<BM, BN>(a, sp, split, m0, rows_total, g);
-  const int64_t q_min = kr.q_min, q_max = kr.q_max;
-  int64_t jb = kr.jb, je = kr.je;
+  const BlockPlace bp = block_place<BM, BN>(a, sp, int(blockIdx.x), int(gridDim.x));
+  const int g = bp.g, kvh = bp.kvh, split = bp.split, rows_total = bp.rows_total, m0 = bp.m0;
+  const int64_t q_min = bp.kr.q_min, q_max = bp.kr.q_max;
+  int64_t jb = bp.kr.jb, je = bp.kr.je;
   const int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t kbuf = base + uint32_t(C::q_bytes), vbuf = kbuf + uint32_t(NK * C::kv_bytes);
@@ -942,11 +945,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
     const int ct = tid - 128, warp = ct >> 5, lane = ct & 31, grp = lane >> 2, tig = lane & 3;
     const int wg = ct >> 7, wwarp = warp & 3, rbase = wg * 64;
     int64_t qp[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int gr = min(m0 + rbase + wwarp * 16 + grp + h * 8, rows_total - 1);
-      qp[h] = a.q_pos0 + gr / g;
-    }
+    row_positions(a, m0 + rbase + wwarp * 16 + grp, rows_total, g, qp);
     float o[OT * 4];
 #pragma unroll
     for (int t = 0; t < OT * 4; ++t) o[t] = 0.0f;
@@ -1068,21 +1067,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
   const int wg = tid >> 7, wwarp = warp & 3, rbase = wg * 64;
   uint32_t dp;
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(dp));
-  const int g = a.nh / a.nkv, kvh = blockIdx.y, split = blockIdx.z;
-  const int rows_total = a.T * g;
-  const int tiles_x = int(gridDim.x) >> 1, bx0 = int(blockIdx.x) >> 1;
-  const int bx = a.causal ? tiles_x - 1 - bx0 : bx0;
-  const int m0 = bx * BM;
-
-  const KeyRange kr = key_range<BM, BN>(a, sp, split, m0, rows_total, g);
-  const int64_t q_min = kr.q_min, q_max = kr.q_max;
-  int64_t jb = kr.jb, je = kr.je;
+  // a cluster pair shares one row tile: tile blockIdx.x / 2 of gridDim.x / 2
+  const BlockPlace bp = block_place<BM, BN>(a, sp, int(blockIdx.x) >> 1, int(gridDim.x) >> 1);
+  const int g = bp.g, kvh = bp.kvh, split = bp.split, rows_total = bp.rows_total, m0 = bp.m0;
+  const int64_t q_min = bp.kr.q_min, q_max = bp.kr.q_max;
+  int64_t jb = bp.kr.jb, je = bp.kr.je;
   int64_t qp[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int gr = min(m0 + rbase + wwarp * 16 + grp + h * 8, rows_total - 1);
-    qp[h] = a.q_pos0 + gr / g;
-  }
+  row_positions(a, m0 + rbase + wwarp * 16 + grp, rows_total, g, qp);
   float o[OT * 4];
 #pragma unroll
   for (int t = 0; t < OT * 4; ++t) o[t] = 0.0f;
@@ -1272,16 +1263,6 @@ __global__ void attention_combine_k(AttentionArgs a, Split sp) {
   }
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return n;
-}
-
 // Paths: D = 256 -> attention_ws_k (or attention_wg_k), D = 512 -> attention_wgx_k (cluster pairs), where the sm_90a
 // build is the one loaded (Hopper); everything else, and those where it is not, -> attention_k (mma.sync).
 constexpr bool kWgmma = true;      // master switch of the wgmma paths
@@ -1295,15 +1276,6 @@ constexpr bool kWgxCausal = true;  // ... causal (prefill) launches too
 constexpr int64_t kWgxMinKeys = 0;  // ... when the launch has at least this many keys
 constexpr bool kXAsync = true;         // attention_wgx_k: S exchange by st.async + mbarriers (XA)
 constexpr bool kWgxSw128 = true;      // attention_wgx_k: 128-byte swizzled tiles (as attention_ws_k with kWsSw128)
-template <typename K>
-bool hopper_build_of(K kernel) {
-  int dev = 0, major = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  cudaFuncAttributes fa{};
-  CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-  return major == 9 && fa.binaryVersion == 90;
-}
 
 // Split-KV count for a grid of `base` blocks over `tiles` key tiles (1: no split).
 Split pick_split(const AttentionArgs& a, int base, int64_t tiles, int D) {
@@ -1339,7 +1311,7 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
   if constexpr (D == 512 || D == 256) {
     constexpr auto kernel = attention_wgx_k<D, kXAsync, kWgxSw128>;
     static const bool wgx = kWgmma && (D == 512 ? kWgx512 : kWgx256) && [] {
-      if (!hopper_build_of(kernel)) return false;
+      if (!sm90a_image_of(kernel)) return false;
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(WgxCfg<D>::smem)));
       return true;
     }();
@@ -1365,7 +1337,7 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
   if constexpr (D == 256) {
     constexpr auto wsk = attention_ws_k<256, kWsK, kWsSw128>;
     static const bool ws = kWgmma && kWs256 && [] {
-      if (!hopper_build_of(wsk)) return false;
+      if (!sm90a_image_of(wsk)) return false;
       CUDA_CHECK(cudaFuncSetAttribute(wsk, cudaFuncAttributeMaxDynamicSharedMemorySize, int(WsCfg<256, kWsK>::smem)));
       return true;
     }();
@@ -1380,7 +1352,7 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
   }
   if constexpr (D == 256) {
     static const bool wg = kWgmma && kWg256 && [] {
-      if (!hopper_build_of(attention_wg_k<256>)) return false;
+      if (!sm90a_image_of(attention_wg_k<256>)) return false;
       CUDA_CHECK(cudaFuncSetAttribute(attention_wg_k<256>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       int(WgCfg<256>::smem)));
       return true;

@@ -379,9 +379,7 @@ void launch_stream(const bf16* X, const int32_t* offsets, int E, const bf16* W, 
   if (smem > smem_set) {
     CUDA_CHECK(cudaFuncSetAttribute(moe_stream_k<GATED, GNI, SK, S, ROT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     smem));
-    int dev = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
+    n_sm = sm_count();
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&grid_per_sm, moe_stream_k<GATED, GNI, SK, S, ROT>,
                                                              kStreamThreads, smem));
     if (grid_per_sm < 1) throw_cuda_error("moe_stream_k", "does not fit on an SM", 0, __FILE__, __LINE__);

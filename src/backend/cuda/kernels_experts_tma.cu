@@ -324,16 +324,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-bool hopper_image_loaded() {
-  int dev = 0, major = 0, minor = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  cudaFuncAttributes fa{};
-  CUDA_CHECK(cudaFuncGetAttributes(&fa, experts_tma_k<true, kStagesShared>));
-  return major == 9 && minor == 0 && fa.binaryVersion == 90;
-}
-
 PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     cudaDriverEntryPointQueryResult q{};
@@ -351,7 +341,7 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
 bool experts_tma_supported(int M, int H, int I) {
   if (M != kTok || H % 128 != 0 || I % 64 != 0 || H <= 0 || I <= 0) return false;
   static const bool ok = [] {
-    if (!hopper_image_loaded()) return false;
+    if (!sm90a_image_of(experts_tma_k<true, kStagesShared>)) return false;
     for (auto [k, stages] : {std::pair{experts_tma_k<true, kStagesShared>, kStagesShared},
                              std::pair{experts_tma_k<false, kStagesShared>, kStagesShared},
                              std::pair{experts_tma_k<true, kStagesShared3>, kStagesShared3},
@@ -390,15 +380,6 @@ TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows
 }
 
 namespace {
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, sms = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    return sms;
-  }();
-  return n;
-}
 template <bool GATED, bool GATHER>
 void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, int E, int H, int I, bf16* act,
                         float* y, const TmaExpertsPlan& plan, cudaStream_t s, const bf16* xg = nullptr,

@@ -23,6 +23,29 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// Streaming multiprocessors of the current device (read once).
+inline int sm_count() {
+  static const int n = [] {
+    int dev = 0, sms = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    return sms;
+  }();
+  return n;
+}
+
+// Whether `kernel` runs from its sm_90a image here (an sm_90 device, and the binary carries that image): the
+// wgmma / TMA kernels are compiled out of every other image.
+template <class Kernel>
+bool sm90a_image_of(Kernel kernel) {
+  int dev = 0, major = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  cudaFuncAttributes fa{};
+  CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+  return major == 9 && fa.binaryVersion == 90;
+}
+
 // kernel<<<grid, block, smem, s>>>(args...) with the PDL attribute (and cluster dimensions when cluster_x > 1).
 template <class... KArgs, class... Args>
 void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args) {
