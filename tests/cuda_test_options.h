@@ -3,7 +3,8 @@
 // off (the grouped expert kernels on canvas passes too), DIFFGEMMA_TEST_FUSED_ROUTER=1 with
 // CudaOptions::fused_router on (router_top_k_assign), DIFFGEMMA_TEST_CUBLAS_EXPERTS=1 with CudaOptions::tma_experts off
 // (cuBLASLt gate_up on Hopper too), DIFFGEMMA_TEST_TMA_EXPERTS_DOWN=1 with the TMA down kernel on as well,
-// DIFFGEMMA_TEST_NO_TMA_GATHER=1 with CudaOptions::tma_gather_rows off, so every path stays covered.
+// DIFFGEMMA_TEST_NO_TMA_GATHER=1 with CudaOptions::tma_gather_rows off, DIFFGEMMA_TEST_DYNAMIC_EXPERT_TILES=1 with
+// CudaOptions::dynamic_expert_tiles on, so every path stays covered.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,12 +22,14 @@ inline dg::CudaOptions cuda_test_options() {
   o.tma_experts = !flag("DIFFGEMMA_TEST_CUBLAS_EXPERTS");
   o.tma_experts_down = flag("DIFFGEMMA_TEST_TMA_EXPERTS_DOWN");
   o.tma_gather_rows = !flag("DIFFGEMMA_TEST_NO_TMA_GATHER");
+  o.dynamic_expert_tiles = flag("DIFFGEMMA_TEST_DYNAMIC_EXPERT_TILES");
   static const bool said = [&] {
     if (!o.padded_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::padded_experts off (grouped experts)\n");
     if (o.fused_router) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_router on\n");
     if (!o.tma_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::tma_experts off (cuBLASLt expert GEMMs)\n");
     if (o.tma_experts_down) std::fprintf(stderr, "[cuda tests] CudaOptions::tma_experts_down on\n");
     if (!o.tma_gather_rows) std::fprintf(stderr, "[cuda tests] CudaOptions::tma_gather_rows off\n");
+    if (o.dynamic_expert_tiles) std::fprintf(stderr, "[cuda tests] CudaOptions::dynamic_expert_tiles on\n");
     return true;
   }();
   (void)said;

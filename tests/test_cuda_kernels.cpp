@@ -301,8 +301,10 @@ TEST(CudaKernels, RouteTopK) {
 
 // router_top_k_assign (two launches: f32 GEMM partials split over H, then top-k and the padded assignment) against
 // the CPU: logits vs a double GEMM, the selection and weights vs cpu::route_top_k on the kernel's own logits (so
-// near-ties cannot flip), and the assignment's invariants. One workspace serves every size in turn (its arrival
-// counter must come back zeroed, whatever the token count), and each call is repeated for bitwise determinism.
+// near-ties cannot flip), and the assignment's invariants: every row once, each expert's rows in token order, and
+// slot_token naming the token of every padded row. The assignment equals moe_assign_padded's on the same idx. One
+// workspace serves every size in turn (its arrival counter must come back zeroed, whatever the token count), and
+// each call is repeated for bitwise determinism, rows included.
 TEST(CudaKernels, RouterTopKAssignFused) {
   REQUIRE_GPU();
   const size_t max_t = 300, max_h = 2816;
@@ -317,11 +319,12 @@ TEST(CudaKernels, RouterTopKAssignFused) {
     auto x = rnd(size_t(T) * H, -2, 2), W = rnd(size_t(E) * H, -0.05f, 0.05f), pes = rnd(size_t(E), 0.5f, 1.5f);
     const size_t pairs = static_cast<size_t>(P);
     Dev<float> dx(x.size()), dW(W.size()), dp(static_cast<size_t>(E)), logits(size_t(T) * E), w(pairs);
-    Dev<int32_t> idx(pairs), ovf(size_t(E) + 1), spos(pairs), meta(2 * size_t(E) + 1);
+    Dev<int32_t> idx(pairs), ovf(size_t(E) + 1), spos(pairs), meta(2 * size_t(E) + 1), slot(size_t(E) * M);
+    Dev<int32_t> ovf2(size_t(E) + 1), spos2(pairs), meta2(2 * size_t(E) + 1), slot2(size_t(E) * M);  // all poisoned
     dx.put(x), dW.put(W), dp.put(pes);
     auto run = [&] {
       router_top_k_assign(dx.p, T, H, dW.p, E, k, dp.p, M, partial.p, counters.p, logits.p, idx.p, w.p, ovf.p, spos.p,
-                          meta.p, nullptr);
+                          meta.p, slot.p, nullptr);
     };
     run();
     const std::string what = "T " + std::to_string(T) + " E " + std::to_string(E) + " H " + std::to_string(H);
@@ -363,19 +366,29 @@ TEST(CudaKernels, RouterTopKAssignFused) {
     }
     EXPECT_EQ(go[size_t(E)], run_ovf) << what;
     EXPECT_EQ(gm[0], n_ovf) << what;
-    std::vector<int> seen(size_t(run_ovf), 0);
-    for (int i = 0; i < P; ++i) {
-      const int e = gi[size_t(i)], r = gs[size_t(i)];
+    std::vector<int> seen(size_t(run_ovf), 0), next_slot(size_t(E), 0);
+    auto gt = slot.get();
+    for (int i = 0; i < P; ++i) {  // pairs in token order: each expert's slots count up from 0
+      const int e = gi[size_t(i)], r = gs[size_t(i)], s = next_slot[size_t(e)]++;
       ASSERT_TRUE(r >= 0 && r < run_ovf) << what;
-      EXPECT_TRUE((r >= e * M && r < e * M + M) || (r >= go[size_t(e)] && r < go[size_t(e) + 1])) << what;
+      EXPECT_EQ(r, s < M ? e * M + s : go[size_t(e)] + s - M) << what << " pair " << i;
       EXPECT_EQ(++seen[size_t(r)], 1) << what << ": row " << r << " assigned twice";
+      if (s < M) {
+        EXPECT_EQ(gt[size_t(e) * M + s], i / k) << what << " slot_token of row " << r;
+      }
     }
-    run();  // bitwise repeatable (the row order inside an expert's block may differ: it comes from atomics)
+    moe_assign_padded(idx.p, T, k, E, M, ovf2.p, spos2.p, meta2.p, slot2.p, nullptr);
+    EXPECT_EQ(ovf2.get(), go) << what << ": router_top_k_assign and moe_assign_padded disagree";
+    EXPECT_EQ(spos2.get(), gs) << what;
+    EXPECT_EQ(meta2.get(), gm) << what;
+    EXPECT_EQ(slot2.get(), gt) << what;
+    run();  // bitwise repeatable, the rows too
     auto gl2 = logits.get();
     auto gw2 = w.get();
     EXPECT_EQ(0, std::memcmp(gl.data(), gl2.data(), gl.size() * sizeof(float))) << what;
     EXPECT_EQ(0, std::memcmp(gw.data(), gw2.data(), gw.size() * sizeof(float))) << what;
     EXPECT_EQ(idx.get(), gi) << what;
+    EXPECT_EQ(spos.get(), gs) << what;
   }
 }
 
@@ -585,7 +598,8 @@ TEST(CudaKernels, MoePaddedExperts) {
 // (E > k + 1), which is also some block's FIRST tile (run regardless: its weights are requested before the PDL
 // wait). Bitwise equal across: a repeat run, a launch on 5 SMs (the 8-stage ring), PDL off, an L2 prefetch, and a
 // grid of 7 blocks with 5-stage rings, three 3-stage blocks per SM; and gate_up reading the token rows straight from x
-// (moe_gate_up_padded_tma_gathered) bitwise equal to gate_up on the gathered copy.
+// (moe_gate_up_padded_tma_gathered) bitwise equal to gate_up on the gathered copy, with its tiles by the fixed stride
+// or from the atomic counter (TmaExpertsPlan::tile_counters, left zeroed) on three grids.
 // Awkward sizes: nk = K / 64 below the ring depth (down with I = 64: one k slice), one tile per expert, persistent
 // blocks over many tiles (the real shape). Skips where the kernels do not run (not an sm_90 GPU with the sm_90a image).
 TEST(CudaKernels, MoeExpertsPaddedTma) {
@@ -601,7 +615,9 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     const size_t rows = size_t(E) * M + idx.size();
     Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(rows * H), act(rows * I), act2(rows * I);
     Dev<bf16> act3(rows * I), act4(rows * I), act5(rows * I), act6(rows * I), act7(rows * I), act8(rows * I);
-    Dev<bf16> act_lt(rows * I);
+    Dev<bf16> act_lt(rows * I), act9(rows * I), act10(rows * I), act11(rows * I);
+    Dev<unsigned> tile_ctr(2);
+    CUDA_CHECK(cudaMemset(tile_ctr.p, 0, 2 * sizeof(unsigned)));
     Dev<int32_t> didx(idx.size()), ovf(size_t(E) + 1), spos(idx.size()), meta(2 * size_t(E) + 1);
     Dev<int32_t> slot(size_t(E) * M);
     Dev<float> y(rows * H), y2(rows * H), y3(rows * H), y4(rows * H), y5(rows * H), y6(rows * H), y7(rows * H);
@@ -629,6 +645,14 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     moe_down_padded_tma(wdn, am, valid, E, H, I, y6.p, nullptr, {.grid = 7, .stages = 5});
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act7.p, nullptr, {.grid = 1000, .stages = 3});
     moe_gate_up_padded_tma_gathered(wgu, dx.p, slot.p, valid, E, H, I, act8.p, nullptr);
+    // tiles from the counter: the default grid, 7 blocks (many tiles each), and a grid past the tile count (blocks
+    // without a first tile of their own); the counter must come back zeroed after each
+    moe_gate_up_padded_tma_gathered(wgu, dx.p, slot.p, valid, E, H, I, act9.p, nullptr, {.tile_counters = tile_ctr.p});
+    const auto ctr_after_default = tile_ctr.get();
+    moe_gate_up_padded_tma_gathered(wgu, dx.p, slot.p, valid, E, H, I, act10.p, nullptr,
+                                    {.grid = 7, .stages = 5, .tile_counters = tile_ctr.p});
+    moe_gate_up_padded_tma_gathered(wgu, dx.p, slot.p, valid, E, H, I, act11.p, nullptr,
+                                    {.grid = 1000, .stages = 3, .tile_counters = tile_ctr.p});
     moe_down_padded_tma(wdn, am, valid, E, H, I, y7.p, nullptr, {.grid = 1000, .stages = 3});
     set_pdl(false);
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act4.p, nullptr);
@@ -639,7 +663,9 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     moe_gelu_mul_padded(g.p, E, M, I, meta.p, act_lt.p, nullptr);
     gemm.linear_batched(act.p, Dt::BF16, M, ddn.p, Dt::BF16, H, I, y_lt.p, Dt::F32, E, nullptr);
     const auto a1 = act.get(), a2 = act2.get(), a3 = act3.get(), a4 = act4.get(), a5 = act5.get();
-    const auto a6 = act6.get(), a7 = act7.get(), a8 = act8.get();
+    const auto a6 = act6.get(), a7 = act7.get(), a8 = act8.get(), a9 = act9.get(), a10 = act10.get();
+    const auto a11 = act11.get();
+    const auto ctr_after = tile_ctr.get();
     const auto y1 = y.get(), yb = y2.get(), yc = y3.get(), yd = y4.get(), ye = y5.get();
     const auto yf = y6.get(), yg = y7.get();
     const auto mt = meta.get();
@@ -714,6 +740,11 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     EXPECT_TRUE(same(a1, a6)) << "gate_up: 7 blocks of 5 stages, " << what;
     EXPECT_TRUE(same(a1, a7)) << "gate_up: three 3-stage blocks per SM, " << what;
     EXPECT_TRUE(same(a1, a8)) << "gate_up: token rows read from x (slot_token) instead of the gathered xs, " << what;
+    EXPECT_TRUE(same(a1, a9)) << "gate_up from x, tiles from the counter, " << what;
+    EXPECT_TRUE(same(a1, a10)) << "gate_up from x, tiles from the counter, 7 blocks, " << what;
+    EXPECT_TRUE(same(a1, a11)) << "gate_up from x, tiles from the counter, grid past the tiles, " << what;
+    EXPECT_EQ(ctr_after_default, (std::vector<unsigned>{0u, 0u})) << "tile counters not left zeroed, " << what;
+    EXPECT_EQ(ctr_after, (std::vector<unsigned>{0u, 0u})) << "tile counters not left zeroed, " << what;
     EXPECT_TRUE(same(y1, yb)) << "down: 5 SMs vs all, " << what;
     EXPECT_TRUE(same(y1, yc)) << "down: repeat, " << what;
     EXPECT_TRUE(same(y1, yd)) << "down: PDL off, " << what;

@@ -35,7 +35,7 @@ struct BenchArgs {
   bool json = false, breakdown = false, no_graphs = false, grouped_experts = false, tune_gemm = false;
   bool no_overlap = false, fused_router = false, no_pdl = false, untuned_gemm = false;
   int dense_mlp_sms = -1;  // -1: CudaOptions' default
-  bool cublas_experts = false, tma_experts_down = false, no_tma_gather = false;
+  bool cublas_experts = false, tma_experts_down = false, no_tma_gather = false, dynamic_expert_tiles = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -121,6 +121,7 @@ int run_bench(const BenchArgs& args) {
   opt.tma_experts = !args.cublas_experts;
   opt.tma_experts_down = args.tma_experts_down;
   opt.tma_gather_rows = !args.no_tma_gather;
+  opt.dynamic_expert_tiles = args.dynamic_expert_tiles;
   opt.expert_sms = args.expert_sms;
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
   opt.tma_experts_grid = args.tma_grid;
@@ -165,6 +166,7 @@ int run_bench(const BenchArgs& args) {
   out["expert_sms"] = args.expert_sms;
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
   out["tma_gather_rows"] = !args.no_tma_gather;
+  out["dynamic_expert_tiles"] = args.dynamic_expert_tiles;
   out["tma_grid"] = args.tma_grid;
   out["tma_stages"] = args.tma_stages;
   out["sc"] = args.sc_sparse ? "sparse survivors (exact fallback per step)" : "exact (probs @ E GEMM)";
@@ -351,6 +353,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--no-tma-gather", a->no_tma_gather,
                                     "A/B: the TMA gate_up reads a gathered copy of the token rows (the gather kernel "
                                     "before it) instead of the expert input itself (CudaOptions::tma_gather_rows)");
+                       sub.add_flag("--dynamic-expert-tiles", a->dynamic_expert_tiles,
+                                    "A/B: the gathered TMA gate_up hands out its tiles by an atomic counter after "
+                                    "each block's first (CudaOptions::dynamic_expert_tiles)");
                        sub.add_flag("--tma-experts-down", a->tma_experts_down,
                                     "A/B: the down GEMM on the TMA + wgmma kernel too (CudaOptions::tma_experts_down)");
                        sub.add_option("--expert-sms", a->expert_sms,

@@ -50,11 +50,14 @@ if [ "${FUSED_ROUTER:-0}" = 1 ]; then
 fi
 # CUBLAS_EXPERTS=1: the parity and full-shape tests again with CudaOptions::tma_experts off (cuBLASLt gate_up + the
 # GELU pass, the path of non-Hopper GPUs); TMA_EXPERTS_DOWN=1: with the TMA down kernel on as well; NO_TMA_GATHER=1:
-# with the gate_up kernel reading a gathered copy of the token rows (CudaOptions::tma_gather_rows off).
+# with the gate_up kernel reading a gathered copy of the token rows (CudaOptions::tma_gather_rows off);
+# DYNAMIC_EXPERT_TILES=1: with gate_up's tiles from its atomic counter. FUSED_ROUTER=1 applies to this run too.
 te_rc=skipped
-if [ "${CUBLAS_EXPERTS:-0}" = 1 ] || [ "${TMA_EXPERTS_DOWN:-0}" = 1 ] || [ "${NO_TMA_GATHER:-0}" = 1 ]; then
+if [ "${CUBLAS_EXPERTS:-0}" = 1 ] || [ "${TMA_EXPERTS_DOWN:-0}" = 1 ] || [ "${NO_TMA_GATHER:-0}" = 1 ] ||
+  [ "${DYNAMIC_EXPERT_TILES:-0}" = 1 ]; then
   DIFFGEMMA_TEST_CUBLAS_EXPERTS=${CUBLAS_EXPERTS:-0} DIFFGEMMA_TEST_TMA_EXPERTS_DOWN=${TMA_EXPERTS_DOWN:-0} \
-    DIFFGEMMA_TEST_NO_TMA_GATHER=${NO_TMA_GATHER:-0} \
+    DIFFGEMMA_TEST_NO_TMA_GATHER=${NO_TMA_GATHER:-0} DIFFGEMMA_TEST_DYNAMIC_EXPERT_TILES=${DYNAMIC_EXPERT_TILES:-0} \
+    DIFFGEMMA_TEST_FUSED_ROUTER=${FUSED_ROUTER:-0} \
     DIFFGEMMA_FULLSHAPE_DIR="$FS_DIR" LD_LIBRARY_PATH="$LIBS" timeout 300 \
     "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*:CudaFullShape.*' >"$OUT/parity_experts_path.log" 2>&1
   te_rc=$?
@@ -106,7 +109,8 @@ fi
   echo "== parity with the fused router (rc $cr_rc)"
   [ -f "$OUT/parity_fused_router.log" ] && grep -E '^\[parity\]|^\[  (FAILED|  OK) \]' "$OUT/parity_fused_router.log"
   echo "== parity + full shape, CUBLAS_EXPERTS=${CUBLAS_EXPERTS:-0} TMA_EXPERTS_DOWN=${TMA_EXPERTS_DOWN:-0}" \
-    "NO_TMA_GATHER=${NO_TMA_GATHER:-0} (rc $te_rc)"
+    "NO_TMA_GATHER=${NO_TMA_GATHER:-0} DYNAMIC_EXPERT_TILES=${DYNAMIC_EXPERT_TILES:-0}" \
+    "FUSED_ROUTER=${FUSED_ROUTER:-0} (rc $te_rc)"
   [ -f "$OUT/parity_experts_path.log" ] && grep -E '^\[parity\]|^\[fullshape\] (nosc|sc|commit) |^\[  (FAILED|  OK) \]' "$OUT/parity_experts_path.log"
   echo "== full shape vs HF (rc $f_rc)"
   [ -f "$OUT/fullshape_fixture.log" ] && grep -E 'FAIL|WARN|agree|cosine|Error' "$OUT/fullshape_fixture.log" | tail -12

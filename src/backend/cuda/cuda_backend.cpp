@@ -52,6 +52,7 @@ struct Scratch {
   int32_t* slot_token;  // [E M]: the token in each padded expert slot (moe_assign_padded), for the gathered gate_up
   float* router_partial;      // router_top_k_assign's split partials (canvas-sized passes)
   unsigned* router_counters;  // its arrival counters: zeroed once, left zeroed by every call
+  unsigned* expert_tile_counters;  // the gathered gate_up's tile counters (CudaOptions::dynamic_expert_tiles), the same
   cuda::DeviceRowStats* stats;
   void* row_stats_scratch;     // softcap_row_stats partials
   cuda::ScSurvivorBuffers sc;  // sparse SC survivors (CudaOptions::sc_sparse only)
@@ -322,6 +323,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
     layout(arena_);
     CUDA_CHECK(cudaMemset(s_.router_counters, 0, cuda::kRouterCounterSlots * sizeof(unsigned)));
+    CUDA_CHECK(cudaMemset(s_.expert_tile_counters, 0, 2 * sizeof(unsigned)));
     {
       const int H = cfg_.hidden_size, Ie = cfg_.moe_intermediate_size, E = cfg_.num_experts;
       const int M = cuda::moe_padded_rows_per_expert(cfg_.canvas_length, cfg_.top_k_experts, E);
@@ -699,11 +701,18 @@ class CudaBackend final : public Backend {
     // (weights stream at ~4.1 instead of ~3.4 TB/s); the rare rows past M go through the grouped kernels.
     const bool padded = opt_.padded_experts && T <= cfg_.canvas_length;
     const int M = padded ? cuda::moe_padded_rows_per_expert(T, K, E) : 0;
-    // CudaOptions::fused_router: the router GEMM, top-k and the padded assignment in two launches (off by default).
+    // TMA gate_up (CudaOptions::tma_experts); its maps were built for the canvas's M (32). With
+    // CudaOptions::tma_gather_rows it reads each expert's token rows from xe itself (slot_token), so no gather
+    // kernel stands between the assignment and the experts; only the rare overflow rows are gathered, on the
+    // overflow GEMMs' stream.
+    const bool tma = padded && use_tma_experts_ && M == cuda::moe_padded_rows_per_expert(cfg_.canvas_length, K, E);
+    const bool gathered = tma && opt_.tma_gather_rows;
+    // CudaOptions::fused_router: the router GEMM, top-k and the padded assignment in two launches.
     const bool fused_router = padded && opt_.fused_router && cuda::router_fused_supported(E, H, K);
     if (fused_router) {
       cuda::router_top_k_assign(s_.xr, T, H, L.router_w, E, K, L.pes, M, s_.router_partial, s_.router_counters, s_.rl,
-                                s_.idx, s_.wk, s_.offsets, s_.sorted_pos, s_.moe_meta, stream_);
+                                s_.idx, s_.wk, s_.offsets, s_.sorted_pos, s_.moe_meta,
+                                gathered ? s_.slot_token : nullptr, stream_);
     } else {
       gemm_->linear(s_.xr, Dt::F32, T, L.router_w, Dt::F32, E, H, s_.rl, Dt::F32, stream_);
       cuda::route_top_k(s_.rl, T, E, K, L.pes, s_.idx, s_.wk, stream_);
@@ -719,18 +728,13 @@ class CudaBackend final : public Backend {
       trace_->experts.push_back(std::move(idx));
     }
     if (padded) {
-      // TMA gate_up (CudaOptions::tma_experts); its maps were built for the canvas's M (32). With
-      // CudaOptions::tma_gather_rows it reads each expert's token rows from xe itself (slot_token), so no gather
-      // kernel stands between the assignment and the experts; only the rare overflow rows are gathered, on the
-      // overflow GEMMs' stream.
-      const bool tma = use_tma_experts_ && M == cuda::moe_padded_rows_per_expert(cfg_.canvas_length, K, E);
-      const bool gathered = tma && opt_.tma_gather_rows && !fused_router;
-      if (fused_router)
-        cuda::moe_gather(s_.sorted_pos, T, K, s_.xe, H, s_.xs, stream_);
-      else if (gathered)
+      if (fused_router) {  // assigned already; the rows are gathered only for a gate_up that reads a copy
+        if (!gathered) cuda::moe_gather(s_.sorted_pos, T, K, s_.xe, H, s_.xs, stream_);
+      } else if (gathered) {
         cuda::moe_assign_padded(s_.idx, T, K, E, M, s_.offsets, s_.sorted_pos, s_.moe_meta, s_.slot_token, stream_);
-      else
+      } else {
         cuda::moe_group_padded(s_.idx, T, K, E, s_.xe, H, M, s_.offsets, s_.sorted_pos, s_.xs, stream_, s_.moe_meta);
+      }
       mark(kStGroup);
       // The overflow rows run on a small grid over the listed experts (moe_group_padded's meta). Their rows of xs,
       // act and y lie past the padded ones (and past the f32 gate/up below), so with the side stream they run there,
@@ -758,7 +762,8 @@ class CudaBackend final : public Backend {
       const cuda::TmaExpertsPlan plan{.sms = overlap ? opt_.expert_sms : 0,
                                       .grid = opt_.tma_experts_grid,
                                       .stages = opt_.tma_experts_stages,
-                                      .l2_prefetch_slices = opt_.tma_experts_l2_prefetch};
+                                      .l2_prefetch_slices = opt_.tma_experts_l2_prefetch,
+                                      .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr};
       const int* valid_rows = s_.moe_meta + 1 + E;  // rows of each expert's padded block
       if (gathered) {
         cuda::moe_gate_up_padded_tma_gathered(L.exp_gu_map, s_.xe, s_.slot_token, valid_rows, E, H, Ie, s_.acte,
@@ -821,6 +826,7 @@ class CudaBackend final : public Backend {
     s_.rl = ar.take<float>(Tm * E);
     s_.router_partial = ar.take<float>(cuda::router_partial_floats(int(Lc), int(H)));
     s_.router_counters = ar.take<unsigned>(cuda::kRouterCounterSlots);
+    s_.expert_tile_counters = ar.take<unsigned>(2);
     s_.wk = ar.take<float>(Tm * K);
     // expert rows: T k grouped, or E M padded + Lc k overflow for canvas-sized passes (moe_group_padded)
     const size_t pad_rows = E * size_t(cuda::moe_padded_rows_per_expert(int(Lc), int(K), int(E))) + Lc * K;

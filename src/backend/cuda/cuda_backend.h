@@ -74,6 +74,10 @@ struct CudaOptions {
   // results, bitwise. H200, same call: 4K step 17.64 / 17.63 ms against 18.14 with the gather (docs/BENCHMARKS.md,
   // session 5). A/B: bench --no-tma-gather.
   bool tma_gather_rows = true;
+  // With tma_gather_rows: after each block's first tile, gate_up's tiles come from an atomic counter instead of a
+  // fixed stride, so the blocks that start late (on the SMs the dense MLP's GEMMs hold) take fewer tiles instead of
+  // ending the kernel late. Same results, bitwise. A/B: bench --dynamic-expert-tiles.
+  bool dynamic_expert_tiles = false;
   // With tma_experts: the down GEMM on the TMA kernel too. Off: it measured 0.3 ms a step slower than cuBLASLt down
   // (4.39 vs 4.09 ms summed over the layers; bench --tma-experts-down).
   bool tma_experts_down = false;

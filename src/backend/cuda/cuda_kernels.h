@@ -129,24 +129,28 @@ void attention(const AttentionArgs& a, cudaStream_t s);
 void route_top_k(const float* logits, int T, int E, int k, const float* per_expert_scale, int32_t* idx, float* w,
                  cudaStream_t s);
 // The router of a canvas-sized pass in two launches, replacing the f32 GEMM + its split-K reduce + route_top_k +
-// moe_group_padded's assign: logits [T, E] = x [T, H] . W [E, H]^T in f32 (split over H; the splits added in split
-// order), route_top_k's rules on them (idx, w), then moe_group_padded's assignment (ovf_offsets, sorted_pos, meta)
-// for padding M. The gather is moe_gather. partial: router_partial_floats(T, H) floats; counters:
-// kRouterCounterSlots zeroed unsigneds, left zeroed (two concurrent calls must not share them). Deterministic:
-// fixed summation orders.
+// moe_assign_padded: logits [T, E] = x [T, H] . W [E, H]^T in f32 (split over H; the splits added in split order),
+// route_top_k's rules on them (idx, w), then moe_assign_padded's assignment (ovf_offsets, sorted_pos, meta and, when
+// not null, slot_token) for padding M. The gather, where one is needed, is moe_gather. partial:
+// router_partial_floats(T, H) floats; counters: kRouterCounterSlots zeroed unsigneds, left zeroed (two concurrent
+// calls must not share them). Deterministic: fixed summation orders, and the assignment below.
 size_t router_partial_floats(int T, int H);
 constexpr size_t kRouterCounterSlots = 1;  // router_route_k's arrival counter
 bool router_fused_supported(int E, int H, int k);
 void router_top_k_assign(const float* x, int T, int H, const float* W, int E, int k, const float* per_expert_scale,
                          int M, float* partial, unsigned* counters, float* logits, int32_t* idx, float* w,
-                         int32_t* ovf_offsets, int32_t* sorted_pos, int32_t* meta, cudaStream_t s);
+                         int32_t* ovf_offsets, int32_t* sorted_pos, int32_t* meta, int32_t* slot_token,
+                         cudaStream_t s);
 // xs[sorted_pos[pair]] = x[token of pair] for the T k pairs (moe_group_padded's second half); min_row > 0 copies
 // only the pairs with sorted_pos >= min_row (E M: the overflow rows, when the padded rows are read straight from x).
 void moe_gather(const int32_t* sorted_pos, int T, int k, const bf16* x, int H, bf16* xs, cudaStream_t s,
                 int min_row = 0);
 // Groups the T*k (token, slot) pairs by expert: offsets [E+1] (exclusive prefix of counts), sorted_pos[pair] =
-// row of that pair in the grouped order, xs[row] = x[token of that pair]. The order of rows inside one expert's
-// group depends on atomics, but every row is computed independently, so results do not.
+// row of that pair in the grouped order, xs[row] = x[token of that pair]. idx: each token's k experts are distinct
+// (route_top_k's are). Inside one expert's group the rows are in token order while E x ceil(T / 32) bits fit in
+// ~48 KB of shared memory (T <= 3040 at E = 128); past that the order comes from atomics. Every row is computed
+// independently, so results do not depend on it; in the padded grouping below the order decides which pairs
+// overflow M, so canvas-sized passes get the same rows, and the same arithmetic, every run.
 void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int32_t* offsets, int32_t* sorted_pos,
                bf16* xs, cudaStream_t s);
 // The same grouping with every expert padded to M rows, for the strided-batched expert GEMMs (cuBLASLt streams the
@@ -204,6 +208,10 @@ struct TmaExpertsPlan {
   // > 0: each block also prefetches that many further 64-wide k slices of its first tile's weights into L2 before
   // griddepcontrol.wait.
   int l2_prefetch_slices = 0;
+  // moe_gate_up_padded_tma_gathered only: two zeroed unsigneds (left zeroed; not shared by concurrent launches) for
+  // tiles handed out by an atomic counter after each block's first, instead of the fixed stride, so that blocks
+  // that start late (their SMs busy with another stream's kernels) take fewer tiles. Null: the fixed stride.
+  unsigned* tile_counters = nullptr;
 };
 // Launched with PDL (launch.cuh): each block requests its first ring stages' weights (constants) before
 // griddepcontrol.wait, everything else after it. The weight buffers must not be written by the stream's preceding

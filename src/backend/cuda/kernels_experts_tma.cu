@@ -59,7 +59,8 @@ constexpr int kThreads = 160;
 // one block per SM of 8 stages (160 KB: no second block fits, so a grid of n blocks stays on n SMs) when it leaves
 // SMs to a concurrent stream.
 constexpr int kStagesShared = 4, kStagesShared3 = 3, kStagesShared5 = 5, kStagesOwn = 8;
-constexpr int smem_bytes(int stages) { return 1024 /* alignment slack */ + stages * kStageBytes + stages * 16; }
+// alignment slack, the ring, its full and empty barriers (8 bytes each), and a tile slot per stage (GATHER)
+constexpr int smem_bytes(int stages) { return 1024 + stages * kStageBytes + stages * 16 + stages * 4; }
 static_assert(kStageBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte alignment");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -90,19 +91,28 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // fence.proxy.async so that the tensor cores see them), one stage behind its last issue, as attention_ws_k's producer
 // does. The full barrier then counts 1 + 32 arrivals: the weight boxes' expect_tx, and the 32 lanes. This removes the
 // gather kernel (and its launch) from the critical path between the router and the experts.
+// With GATHER the producer also picks the tiles and names each one to the consumers in a per-stage slot of shared
+// memory (written before the arrival on the tile's first stage; -1 in one extra stage ends the block): a block's
+// first tile is blockIdx.x, as without GATHER, and the next ones come either by the fixed stride (tile_ctr null) or,
+// with tile_ctr (two zeroed unsigneds: the next tile past the grid's first round, and the blocks done), from an
+// atomic counter, so that blocks which start late (their SMs held by the dense MLP's GEMMs on the other stream) take
+// fewer tiles instead of finishing late. The last block to finish zeroes tile_ctr again. Tiles of experts without
+// rows are skipped either way (after the first). Each tile is still computed by one block in the fixed k order, so
+// results do not depend on which block takes it.
 
 template <bool GATED, int kStages, bool GATHER = false>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
-                  int l2_prefetch_slices, const bf16* __restrict__ xg, const int32_t* __restrict__ slot_token) {
+                  int l2_prefetch_slices, const bf16* __restrict__ xg, const int32_t* __restrict__ slot_token,
+                  unsigned* tile_ctr) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
 #if defined(DG_EXPERTS_TMA)
   const int rows_per_expert = GATED ? 2 * I : H, tiles_n = GATED ? I / 64 : H / 128, K = GATED ? H : I;
   const int n_tiles = E * tiles_n, nk = K / kBK;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t full0 = base + kStages * kStageBytes, empty0 = full0 + 8 * kStages;
+  const uint32_t full0 = base + kStages * kStageBytes, empty0 = full0 + 8 * kStages, slot0 = empty0 + 8 * kStages;
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   auto weight_rows = [&](int tile, int& row_a, int& row_b) {
     const int e = tile / tiles_n, nt = tile % tiles_n;
@@ -146,10 +156,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t it = 0, pend = 0;
     bool have_pend = false;
     const int swz = (ln & 7) * 16;  // 128-byte swizzle: 16-byte chunk c of row ln sits at chunk c ^ (ln & 7)
-    for (int tile = first; tile < n_tiles; tile += int(gridDim.x)) {
+    // The tile after `tile` with rows (n_tiles: none left), by the stride or from the counter.
+    auto next_tile = [&](int tile) {
+      for (;;) {
+        if (tile_ctr) {
+          int t = 0;
+          if (leader) t = int(atomicAdd(tile_ctr, 1u)) + int(gridDim.x);
+          tile = __shfl_sync(0xffffffffu, t, 0);
+        } else {
+          tile += int(gridDim.x);
+        }
+        if (tile >= n_tiles) return n_tiles;
+        if (__ldcg(rows + tile / tiles_n) > 0) return tile;
+      }
+    };
+    for (int tile = first < n_tiles ? first : next_tile(first); tile < n_tiles; tile = next_tile(tile)) {
       const int e = tile / tiles_n;
       const int cnt = __ldcg(rows + e);
-      if (tile != first && cnt <= 0) continue;
       int row_a, row_b;
       weight_rows(tile, row_a, row_b);
       const int tok = ln < cnt ? __ldcg(slot_token + e * kTok + ln) : -1;
@@ -159,7 +182,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
         if (!(tile == first && kt < npre)) {  // else: stage kt of the fresh ring, its weights already requested
           mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
-          if (leader) issue_weights(st, full, kt, row_a, row_b, kWBytes, evict_first);
+          if (leader) {
+            if (kt == 0) st_shared_s32(slot0 + 4 * s, tile);  // before the arrive that publishes the stage
+            issue_weights(st, full, kt, row_a, row_b, kWBytes, evict_first);
+          }
         }
         const uint32_t xrow = st + 2 * kWBoxBytes + uint32_t(ln) * 128u;
         const bf16* srow = src + size_t(kt) * kBK;
@@ -183,6 +209,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       mbar_arrive(pend);
+    }
+    // One more stage, without data: slot -1 ends the consumers' loop. Its 1 + 32 arrivals, no transaction bytes.
+    const int s = int(it % kStages);
+    mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
+    if (leader) {
+      st_shared_s32(slot0 + 4 * s, -1);
+      mbar_arrive(full0 + 8 * s);
+    }
+    __syncwarp();
+    mbar_arrive(full0 + 8 * s);
+    if (tile_ctr && leader) {  // every fetch of this block is done; the last block resets the counters
+      __threadfence();
+      if (atomicAdd(tile_ctr + 1, 1u) == gridDim.x - 1) {
+        atomicExch(tile_ctr, 0u);
+        atomicExch(tile_ctr + 1, 0u);
+      }
     }
   };
 
@@ -275,16 +317,37 @@ __global__ void __launch_bounds__(kThreads, 1)
   // while its predecessor was still writing them.)
   pdl_wait();
   uint32_t it = 0;
-  for (int tile = first; tile < n_tiles; tile += int(gridDim.x)) {
+  // GATHER: the first tile is blockIdx.x (when there is one), every later one is named by the producer in the slot
+  // of its first stage; -1 ends. Else the fixed stride, skipping experts without rows after the first tile.
+  int tile = first < n_tiles ? first : n_tiles;
+  bool slot_read = false;  // this tile's first stage waited for already (its slot named the tile)
+  if constexpr (GATHER) {
+    if (first >= n_tiles) tile = -1;
+  }
+  for (;;) {
+    if constexpr (GATHER) {
+      if (tile < 0) {
+        const int s = int(it % kStages);
+        mbar_wait(full0 + 8 * s, (it / kStages) & 1u);
+        tile = ld_shared_s32(slot0 + 4 * s);
+        if (tile < 0) break;
+        slot_read = true;
+      }
+    } else {
+      if (tile >= n_tiles) break;
+    }
     const int e = tile / tiles_n, nt = tile % tiles_n;
     const int cnt = __ldcg(rows + e);  // .cg: L2, never a stale L1 / non-coherent line of a grid we overlapped
-    if (tile != first && cnt <= 0) continue;  // the first tile is consumed regardless (its stages were issued)
+    if (!GATHER && tile != first && cnt <= 0) {  // the first tile is consumed regardless (its stages were issued)
+      tile += int(gridDim.x);
+      continue;
+    }
     float d0[16], d1[16];  // tile rows 0-63 (gate / first half) and 64-127 (up / second half)
 #pragma unroll
     for (int i = 0; i < 16; ++i) d0[i] = 0.f, d1[i] = 0.f;
     for (int kt = 0; kt < nk; ++kt, ++it) {
       const int s = int(it % kStages);
-      mbar_wait(full0 + 8 * s, (it / kStages) & 1u);
+      if (!(kt == 0 && slot_read)) mbar_wait(full0 + 8 * s, (it / kStages) & 1u);
       __syncwarp();  // wgmma is .sync.aligned
       const uint32_t st = base + uint32_t(s) * kStageBytes;
       const uint64_t da = desc_sw128(st), db = desc_sw128(st + kWBoxBytes), dx = desc_sw128(st + 2 * kWBoxBytes);
@@ -320,6 +383,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             y[row * H + nt * 128 + 64 + r] = d1[idx];
           }
         }
+    slot_read = false;
+    if constexpr (GATHER) {
+      tile = -1;  // the next tile from the slot
+    } else {
+      tile += int(gridDim.x);
+    }
   }
 #endif
 }
@@ -394,7 +463,7 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   // first stages' weights before griddepcontrol.wait (see the kernel).
   auto go = [&](auto kernel, int stages, int grid) {
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
-               act, y, pf, xg, slot_token);
+               act, y, pf, xg, slot_token, GATHER ? plan.tile_counters : nullptr);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;  // blocks that fit an SM's shared memory

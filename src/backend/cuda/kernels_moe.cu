@@ -134,189 +134,209 @@ __global__ void route_top_k_warp_k(const float* logits, int T, int E, int k, con
 // Single block: counts, exclusive scan and row assignment. Expert e's first M pairs go to rows e M .. e M + M - 1,
 // the rest ("overflow") to rows from ovf[e] = E M + (overflow of the experts before e); ovf[E] = end of the overflow
 // rows. M = 0 is the plain grouping: ovf is then the exclusive prefix of the counts (moe_group's offsets).
-// meta (M > 0, may be null): see moe_group_padded. cnt: E ints of shared memory. idx is read through L2 (__ldcg):
-// router_route_k's last block assigns pairs that other blocks of the same launch wrote.
-__device__ void assign_pairs(const int32_t* idx, int P, int E, int M, int32_t* ovf, int32_t* sorted_pos,
-                             int32_t* meta, int* cnt, int k = 1, int32_t* slot_token = nullptr) {
-  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
-  __syncthreads();
-  for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&cnt[__ldcg(idx + i)], 1);
-  __syncthreads();
-  if (threadIdx.x < 32) {  // warp 0 scans the counts, 32 experts at a time, in ascending expert id
-    const int lane = threadIdx.x;
-    int run = E * M, n_ovf = 0;
-    for (int e0 = 0; e0 < E; e0 += 32) {
-      const int e = e0 + lane, c = e < E ? cnt[e] : 0, over = max(0, c - M);
-      int incl = over;  // inclusive scan of the overflow rows
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
-      const unsigned flagged = __ballot_sync(0xffffffffu, c > M);
-      if (e < E) {
-        ovf[e] = run + incl - over;
-        if (meta) {
-          if (c > M) meta[1 + n_ovf + __popc(flagged & ((1u << lane) - 1u))] = e;
-          meta[1 + E + e] = min(c, M);
-        }
-        cnt[e] = 0;
-      }
-      run += __shfl_sync(0xffffffffu, incl, 31);
-      n_ovf += __popc(flagged);
+// meta (M > 0, may be null): see moe_group_padded. idx is read through L2 (__ldcg): router_route_k's last block
+// assigns pairs that other blocks of the same launch wrote.
+//
+// Two ways to number an expert's pairs (its slots):
+// - ordered (mask != null): slot = the number of earlier TOKENS routed to the expert, from a bit mask of its tokens
+//   (mask: E x ceil(T / 32) words of shared memory). Needs each token's k experts distinct (a top-k's are). The
+//   assignment is then a function of idx alone: the same rows every run, so which pairs overflow M (and take the
+//   grouped kernels' path) does not change from run to run either.
+// - by atomics (mask == null): slots in arrival order, for idx of any kind (moe_group's generic grouping).
+// cnt: E ints of shared memory.
+__device__ void scan_expert_rows(int E, int M, int32_t* ovf, int32_t* meta, const int* cnt) {
+  if (threadIdx.x >= 32) return;  // warp 0 scans the counts, 32 experts at a time, in ascending expert id
+  const int lane = threadIdx.x;
+  int run = E * M, n_ovf = 0;
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    const int e = e0 + lane, c = e < E ? cnt[e] : 0, over = max(0, c - M);
+    int incl = over;  // inclusive scan of the overflow rows
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
     }
-    if (lane == 0) {
-      ovf[E] = run;
-      if (meta) meta[0] = n_ovf;
+    const unsigned flagged = __ballot_sync(0xffffffffu, c > M);
+    if (e < E) {
+      ovf[e] = run + incl - over;
+      if (meta) {
+        if (c > M) meta[1 + n_ovf + __popc(flagged & ((1u << lane) - 1u))] = e;
+        meta[1 + E + e] = min(c, M);
+      }
     }
+    run += __shfl_sync(0xffffffffu, incl, 31);
+    n_ovf += __popc(flagged);
   }
+  if (lane == 0) {
+    ovf[E] = run;
+    if (meta) meta[0] = n_ovf;
+  }
+}
+
+__device__ void assign_pairs(const int32_t* idx, int T, int k, int E, int M, int32_t* ovf, int32_t* sorted_pos,
+                             int32_t* meta, int* cnt, int32_t* slot_token = nullptr, unsigned* mask = nullptr) {
+  const int P = T * k, W = (T + 31) / 32;
+  if (mask) {
+    for (int i = threadIdx.x; i < E * W; i += blockDim.x) mask[i] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < P; i += blockDim.x) {
+      const int t = i / k;
+      atomicOr(&mask[__ldcg(idx + i) * W + (t >> 5)], 1u << (t & 31));
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      int c = 0;
+      for (int w = 0; w < W; ++w) c += __popc(mask[e * W + w]);
+      cnt[e] = c;
+    }
+  } else {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&cnt[__ldcg(idx + i)], 1);
+  }
+  __syncthreads();
+  scan_expert_rows(E, M, ovf, meta, cnt);
+  __syncthreads();
+  if (!mask)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;  // the slot cursors
   __syncthreads();
   for (int i = threadIdx.x; i < P; i += blockDim.x) {
-    const int e = __ldcg(idx + i), slot = atomicAdd(&cnt[e], 1);
+    const int e = __ldcg(idx + i), t = i / k;
+    int slot;
+    if (mask) {
+      const unsigned* m = mask + e * W;
+      slot = __popc(m[t >> 5] & ((1u << (t & 31)) - 1u));
+      for (int w = 0; w < (t >> 5); ++w) slot += __popc(m[w]);
+    } else {
+      slot = atomicAdd(&cnt[e], 1);
+    }
     sorted_pos[i] = slot < M ? e * M + slot : ovf[e] + slot - M;
-    if (slot_token && slot < M) slot_token[e * M + slot] = i / k;
+    if (slot_token && slot < M) slot_token[e * M + slot] = t;
   }
 }
 
-__global__ void moe_assign_k(const int32_t* idx, int P, int E, int M, int32_t* ovf, int32_t* sorted_pos,
-                             int32_t* meta, int k, int32_t* slot_token) {
+// Shared memory of assign_pairs: E counts, then (ordered) the E x ceil(T / 32) token masks.
+size_t assign_smem_bytes(int T, int E, bool ordered) {
+  return size_t(E) * sizeof(int) + (ordered ? size_t(E) * size_t((T + 31) / 32) * sizeof(unsigned) : 0);
+}
+constexpr size_t kAssignMaxSmem = 48 * 1024;  // without the opt-in attribute
+
+__global__ void moe_assign_k(const int32_t* idx, int T, int k, int E, int M, int32_t* ovf, int32_t* sorted_pos,
+                             int32_t* meta, int32_t* slot_token, bool ordered) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
-  extern __shared__ int cnt[];  // [E] counts, then cursors
-  assign_pairs(idx, P, E, M, ovf, sorted_pos, meta, cnt, k, slot_token);
+  extern __shared__ int assign_smem[];  // [E] counts, then the token masks (ordered)
+  assign_pairs(idx, T, k, E, M, ovf, sorted_pos, meta, assign_smem, slot_token,
+               ordered ? reinterpret_cast<unsigned*>(assign_smem + E) : nullptr);
 }
 
-// ---- the router of canvas-sized passes (router_top_k_assign): two launches instead of five ----
-// router_partials_k: the partial logits of kRtTok tokens x all experts over one k-split, f32 FMAs in ascending k
-// (register-prefetched kRtKc-deep slices through shared memory; 8 tokens x 4 experts per thread, so a warp reads
-// each weight slice once per 8 tokens), written to partial[split][t][0..128).
+// ---- the router of canvas-sized passes (router_top_k_assign): two launches instead of four ----
+// router_partials_k: the partial logits of kRtTok tokens x all kRtExp experts over one kRtKc-wide k slice of H, f32
+// FMAs in ascending k, written to partial[split][t][0..kRtExp). Every block copies its two tiles into shared memory
+// at once (cp.async, zero-filled past T, E and H) and multiplies them: a single wave of ~350 short blocks at the
+// canvas shape, so the GEMM costs about one global round trip plus ~1000 FMAs a thread. Warp w takes tokens
+// w + 8 i, lane l experts l + 32 j: the token rows are broadcast reads, and the 68-float row stride puts the expert
+// rows of a quarter warp's 16-byte reads in distinct banks.
 // router_route_k: one warp per token adds the split partials in split order, writes the logits and routes the token
-// (warp_top_k); the last block to finish (an arrival counter) assigns every pair (assign_pairs).
+// (warp_top_k); the last block to finish (an arrival counter) assigns every pair (assign_pairs, ordered when its
+// masks fit in shared memory) and writes slot_token for the gathered gate_up.
 // Fixed summation orders, so the results do not depend on which block finishes last.
-// Measured on the H200 (session 4, docs/BENCHMARKS.md): router_partials_k 15.2 us + router_route_k 20.2 us a layer,
-// no faster than cuBLASLt's split-K SIMT GEMM + its reduce + route_top_k + moe_assign (~39 us, 4K step 18.40 vs
-// 18.32 ms), so CudaOptions::fused_router is off. The same work as ONE launch (the last split-block of each token
-// tile routing its 32 tokens, the last of those assigning) took 41-43 us: the serial tail dominated.
+// History (docs/BENCHMARKS.md): session 4's version (128 blocks of 32 tokens x 128 experts, k split 16 ways and
+// streamed through a double buffer; the assignment by atomics) measured 15.2 + 20.2 us a layer and no faster than
+// cuBLASLt's chain (the 4K step 18.40 vs 18.32 ms), so CudaOptions::fused_router was off. In the session-5 trace
+// cuBLASLt's chain from the pre-FFN norm to the experts is ~40 us a layer (its SIMT split-K GEMM alone 23.5 us).
 struct RouterArgs {
   const float* x;
   const float* W;
   const float* pes;
-  int T, H, E, k, kc;  // kc: the k-range of one split
+  int T, H, E, k;
   float* partial;
   unsigned* counters;
   float* logits;
   int32_t* idx;
   float* w;
   int M;
-  int32_t *ovf, *sorted_pos, *meta;
+  int32_t *ovf, *sorted_pos, *meta, *slot_token;
 };
-constexpr int kRtTok = 32, kRtExp = 128, kRtKc = 32, kRtThreads = 128, kRtMaxSplits = 16;
-constexpr int kRtXs = kRtTok + 4, kRtWs = kRtExp + 4;  // padded smem rows (float4-aligned, fewer bank conflicts)
+constexpr int kRtTok = 32, kRtExp = 128, kRtKc = 64, kRtThreads = 256, kRtWarps = kRtThreads / 32;
+constexpr int kRtPad = kRtKc + 4;  // shared row stride (floats): 16-byte aligned, quarter-warp reads conflict-free
 constexpr int kRouteWarps = 8;
+static_assert(kRtTok % kRtWarps == 0 && kRtExp % 32 == 0, "tile shape");
 
-// Token tiles of kRtTok, and H cut into at most kRtMaxSplits k-ranges (multiples of kRtKc) so the partials grid
-// covers ~128 blocks.
+// Token tiles of kRtTok and k slices of kRtKc.
 struct RouterSplit {
-  int tiles, splits, kc;
+  int tiles, splits;
 };
-RouterSplit router_split(int T, int H) {
-  const int tiles = (T + kRtTok - 1) / kRtTok;
-  int splits = std::max(1, std::min(kRtMaxSplits, 128 / std::max(tiles, 1)));
-  const int kc = ((H + splits - 1) / splits + kRtKc - 1) / kRtKc * kRtKc;
-  splits = (H + kc - 1) / kc;  // no empty split
-  return {tiles, splits, kc};
-}
+RouterSplit router_split(int T, int H) { return {(T + kRtTok - 1) / kRtTok, (H + kRtKc - 1) / kRtKc}; }
 
 __global__ void __launch_bounds__(kRtThreads) router_partials_k(RouterArgs a) {
-  __shared__ __align__(16) float xs[2][kRtKc][kRtXs];
-  __shared__ __align__(16) float ws[2][kRtKc][kRtWs];
+  __shared__ __align__(16) float xs[kRtTok][kRtPad];
+  __shared__ __align__(16) float ws[kRtExp][kRtPad];
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
-  const int tid = threadIdx.x, t0 = blockIdx.x * kRtTok, split = blockIdx.y;
-  const int k0 = split * a.kc, k1 = min(a.H, k0 + a.kc);
-  // loader roles: a slice is 32 tokens x 32 k (two float4 per thread) and 128 experts x 32 k (eight)
-  const int lr = tid >> 3, lc = (tid & 7) * 4;  // rows lr + 16 j
-  float4 px[2], pw[8];
-  auto fetch = [&](int kb) {
-    const int kk = kb + lc;
+  const int tid = threadIdx.x, t0 = blockIdx.x * kRtTok, split = blockIdx.y, k0 = split * kRtKc;
+  constexpr int kQuads = kRtKc / 4;
+  for (int i = tid; i < (kRtTok + kRtExp) * kQuads; i += kRtThreads) {
+    const int r = i / kQuads, c = (i % kQuads) * 4;
+    const bool is_x = r < kRtTok;
+    const int rr = is_x ? r : r - kRtTok;
+    const bool ok = k0 + c < a.H && (is_x ? t0 + rr < a.T : rr < a.E);  // H % 4 == 0: a quad is in or out
+    const float* src = is_x ? a.x + size_t(t0 + rr) * a.H : a.W + size_t(rr) * a.H;
+    cp_async16(is_x ? &xs[rr][c] : &ws[rr][c], ok ? src + k0 + c : a.x, ok);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  const int warp = tid >> 5, lane = tid & 31;
+  constexpr int kTi = kRtTok / kRtWarps, kEj = kRtExp / 32;
+  float acc[kTi][kEj] = {};
+#pragma unroll 4
+  for (int kk = 0; kk < kRtKc; kk += 4) {
+    float4 xv[kTi], wv[kEj];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int t = t0 + lr + 16 * j;
-      px[j] = t < a.T && kk < k1 ? __ldg(reinterpret_cast<const float4*>(a.x + size_t(t) * a.H + kk))
-                                 : make_float4(0, 0, 0, 0);
-    }
+    for (int i = 0; i < kTi; ++i) xv[i] = *reinterpret_cast<const float4*>(&xs[warp + kRtWarps * i][kk]);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int e = lr + 16 * j;
-      pw[j] = e < a.E && kk < k1 ? __ldg(reinterpret_cast<const float4*>(a.W + size_t(e) * a.H + kk))
-                                 : make_float4(0, 0, 0, 0);
-    }
-  };
-  auto stash = [&](int buf) {
+    for (int j = 0; j < kEj; ++j) wv[j] = *reinterpret_cast<const float4*>(&ws[lane + 32 * j][kk]);
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int r = lr + 16 * j;
-      xs[buf][lc + 0][r] = px[j].x, xs[buf][lc + 1][r] = px[j].y, xs[buf][lc + 2][r] = px[j].z;
-      xs[buf][lc + 3][r] = px[j].w;
-    }
+    for (int i = 0; i < kTi; ++i)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int e = lr + 16 * j;
-      ws[buf][lc + 0][e] = pw[j].x, ws[buf][lc + 1][e] = pw[j].y, ws[buf][lc + 2][e] = pw[j].z;
-      ws[buf][lc + 3][e] = pw[j].w;
-    }
-  };
-  const int tx = tid & 31, ty = tid >> 5;  // experts tx*4 .. +3, tokens ty*8 .. +7
-  float acc[8][4] = {};
-  int buf = 0;
-  if (k0 < k1) {
-    fetch(k0);
-    stash(0);
-    __syncthreads();
-    for (int kb = k0; kb < k1; kb += kRtKc) {
-      const bool more = kb + kRtKc < k1;
-      if (more) fetch(kb + kRtKc);  // in flight while this slice is multiplied
-#pragma unroll
-      for (int kk = 0; kk < kRtKc; ++kk) {
-        const float4 xa = *reinterpret_cast<const float4*>(&xs[buf][kk][ty * 8]);
-        const float4 xb = *reinterpret_cast<const float4*>(&xs[buf][kk][ty * 8 + 4]);
-        const float4 wv = *reinterpret_cast<const float4*>(&ws[buf][kk][tx * 4]);
-        const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w}, wa[4] = {wv.x, wv.y, wv.z, wv.w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(xv[i], wa[j], acc[i][j]);
+      for (int j = 0; j < kEj; ++j) {
+        float v = acc[i][j];
+        v = fmaf(xv[i].x, wv[j].x, v);
+        v = fmaf(xv[i].y, wv[j].y, v);
+        v = fmaf(xv[i].z, wv[j].z, v);
+        acc[i][j] = fmaf(xv[i].w, wv[j].w, v);
       }
-      if (more) {
-        stash(buf ^ 1);  // the other buffer: last read before the previous barrier
-        __syncthreads();
-        buf ^= 1;
-      }
-    }
   }
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int t = t0 + ty * 8 + i;
+  for (int i = 0; i < kTi; ++i) {
+    const int t = t0 + warp + kRtWarps * i;
     if (t < a.T)
-      reinterpret_cast<float4*>(a.partial + (size_t(split) * a.T + t) * kRtExp)[tx] =
-          make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+#pragma unroll
+      for (int j = 0; j < kEj; ++j) a.partial[(size_t(split) * a.T + t) * kRtExp + lane + 32 * j] = acc[i][j];
   }
 }
 
-__global__ void __launch_bounds__(32 * kRouteWarps) router_route_k(RouterArgs a, int splits) {
-  __shared__ int cnt[kRtExp];
+__global__ void __launch_bounds__(32 * kRouteWarps) router_route_k(RouterArgs a, int splits, bool ordered) {
+  extern __shared__ int route_smem[];  // assign_pairs' counts and masks (the last block only)
   __shared__ unsigned arrival;
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   const int lane = threadIdx.x & 31, t = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
   if (t < a.T) {
-    float4 v[kRtMaxSplits];
+    auto part = [&](int sp) {
+      return reinterpret_cast<const float4*>(a.partial + (size_t(sp) * a.T + t) * kRtExp)[lane];
+    };
+    float4 sum = part(0);
+    constexpr int kBatch = 8;  // loads in flight per lane; the adds stay in split order
+    for (int sp0 = 1; sp0 < splits; sp0 += kBatch) {
+      float4 v[kBatch];
 #pragma unroll
-    for (int sp = 0; sp < kRtMaxSplits; ++sp)
-      if (sp < splits) v[sp] = reinterpret_cast<const float4*>(a.partial + (size_t(sp) * a.T + t) * kRtExp)[lane];
-    float4 sum = v[0];
+      for (int u = 0; u < kBatch; ++u)
+        if (sp0 + u < splits) v[u] = part(sp0 + u);
 #pragma unroll
-    for (int sp = 1; sp < kRtMaxSplits; ++sp)
-      if (sp < splits) sum.x += v[sp].x, sum.y += v[sp].y, sum.z += v[sp].z, sum.w += v[sp].w;
+      for (int u = 0; u < kBatch; ++u)
+        if (sp0 + u < splits) sum.x += v[u].x, sum.y += v[u].y, sum.z += v[u].z, sum.w += v[u].w;
+    }
     float l[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -332,7 +352,8 @@ __global__ void __launch_bounds__(32 * kRouteWarps) router_route_k(RouterArgs a,
   if (arrival != gridDim.x - 1) return;
   __threadfence();
   if (threadIdx.x == 0) *a.counters = 0;  // every block has arrived: ready for the next launch
-  assign_pairs(a.idx, a.T * a.k, a.E, a.M, a.ovf, a.sorted_pos, a.meta, cnt);
+  assign_pairs(a.idx, a.T, a.k, a.E, a.M, a.ovf, a.sorted_pos, a.meta, route_smem, a.slot_token,
+               ordered ? reinterpret_cast<unsigned*>(route_smem + a.E) : nullptr);
 }
 
 // act = bf16(gelu_tanh(gate) * up) over the padded rows that hold a pair (slot < valid[e]); gate/up in f32.
@@ -563,8 +584,9 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
 
 void moe_assign_padded(const int32_t* idx, int T, int k, int E, int M, int32_t* ovf_offsets, int32_t* sorted_pos,
                        int32_t* meta, int32_t* slot_token, cudaStream_t s) {
-  launch_pdl(moe_assign_k, dim3(1), dim3(1024), size_t(E) * sizeof(int), s, idx, T * k, E, M, ovf_offsets,
-             sorted_pos, M > 0 ? meta : nullptr, k, M > 0 ? slot_token : nullptr);
+  const bool ordered = assign_smem_bytes(T, E, true) <= kAssignMaxSmem;
+  launch_pdl(moe_assign_k, dim3(1), dim3(1024), assign_smem_bytes(T, E, ordered), s, idx, T, k, E, M, ovf_offsets,
+             sorted_pos, M > 0 ? meta : nullptr, M > 0 ? slot_token : nullptr, ordered);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -588,16 +610,20 @@ bool router_fused_supported(int E, int H, int k) { return E >= 1 && E <= kRtExp 
 
 void router_top_k_assign(const float* x, int T, int H, const float* W, int E, int k, const float* per_expert_scale,
                          int M, float* partial, unsigned* counters, float* logits, int32_t* idx, float* w,
-                         int32_t* ovf_offsets, int32_t* sorted_pos, int32_t* meta, cudaStream_t s) {
+                         int32_t* ovf_offsets, int32_t* sorted_pos, int32_t* meta, int32_t* slot_token,
+                         cudaStream_t s) {
   if (T == 0) return;
   if (!router_fused_supported(E, H, k))
     throw_cuda_error("router_top_k_assign", "needs E <= 128, H % 4 == 0 and k <= min(32, E)", 0, __FILE__, __LINE__);
   const RouterSplit sp = router_split(T, H);
-  RouterArgs a{x, W, per_expert_scale, T, H, E, k, sp.kc, partial, counters, logits, idx, w, M, ovf_offsets,
-               sorted_pos, meta};
+  RouterArgs a{x, W, per_expert_scale, T, H, E, k, partial, counters, logits, idx, w, M, ovf_offsets,
+               sorted_pos, meta, M > 0 ? slot_token : nullptr};
   launch_pdl(router_partials_k, dim3(unsigned(sp.tiles), unsigned(sp.splits)), dim3(kRtThreads), 0, s, a);
-  launch_pdl(router_route_k, dim3(unsigned((T + kRouteWarps - 1) / kRouteWarps)), dim3(32 * kRouteWarps), 0, s, a,
-             sp.splits);
+  CUDA_CHECK_LAUNCH();
+  const bool ordered = assign_smem_bytes(T, E, true) <= kAssignMaxSmem;
+  launch_pdl(router_route_k, dim3(unsigned((T + kRouteWarps - 1) / kRouteWarps)), dim3(32 * kRouteWarps),
+             assign_smem_bytes(T, E, ordered), s, a, sp.splits, ordered);
+  CUDA_CHECK_LAUNCH();
 }
 
 void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int32_t* offsets, int32_t* sorted_pos,
