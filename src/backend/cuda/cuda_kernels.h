@@ -148,7 +148,7 @@ void moe_gather(const int32_t* sorted_pos, int T, int k, const bf16* x, int H, b
 // Groups the T*k (token, slot) pairs by expert: offsets [E+1] (exclusive prefix of counts), sorted_pos[pair] =
 // row of that pair in the grouped order, xs[row] = x[token of that pair]. idx: each token's k experts are distinct
 // (route_top_k's are). Inside one expert's group the rows are in token order while E x ceil(T / 32) bits fit in
-// ~48 KB of shared memory (T <= 3040 at E = 128); past that the order comes from atomics. Every row is computed
+// ~46 KB of shared memory (T <= 2912 at E = 128); past that the order comes from atomics. Every row is computed
 // independently, so results do not depend on it; in the padded grouping below the order decides which pairs
 // overflow M, so canvas-sized passes get the same rows, and the same arithmetic, every run.
 void moe_group(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int32_t* offsets, int32_t* sorted_pos,

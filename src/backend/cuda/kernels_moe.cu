@@ -172,15 +172,25 @@ __device__ void scan_expert_rows(int E, int M, int32_t* ovf, int32_t* meta, cons
   }
 }
 
-__device__ void assign_pairs(const int32_t* idx, int T, int k, int E, int M, int32_t* ovf, int32_t* sorted_pos,
-                             int32_t* meta, int* cnt, int32_t* slot_token = nullptr, unsigned* mask = nullptr) {
+// idx_smem (may be null): P ints of shared memory to hold idx, read from global memory once (all loads of a thread
+// in flight together) instead of once per phase, each a dependent L2 round trip per pair a thread handles.
+__device__ void assign_pairs(const int32_t* idx_global, int T, int k, int E, int M, int32_t* ovf, int32_t* sorted_pos,
+                             int32_t* meta, int* cnt, int32_t* slot_token = nullptr, unsigned* mask = nullptr,
+                             int* idx_smem = nullptr) {
   const int P = T * k, W = (T + 31) / 32;
+  const int32_t* idx = idx_global;
+  if (idx_smem) {
+#pragma unroll 8
+    for (int i = threadIdx.x; i < P; i += blockDim.x) idx_smem[i] = __ldcg(idx_global + i);
+    idx = idx_smem;  // published by the first barrier below
+  }
+  auto load_idx = [&](int i) { return idx_smem ? idx[i] : __ldcg(idx + i); };
   if (mask) {
     for (int i = threadIdx.x; i < E * W; i += blockDim.x) mask[i] = 0;
     __syncthreads();
     for (int i = threadIdx.x; i < P; i += blockDim.x) {
       const int t = i / k;
-      atomicOr(&mask[__ldcg(idx + i) * W + (t >> 5)], 1u << (t & 31));
+      atomicOr(&mask[load_idx(i) * W + (t >> 5)], 1u << (t & 31));
     }
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -191,7 +201,7 @@ __device__ void assign_pairs(const int32_t* idx, int T, int k, int E, int M, int
   } else {
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&cnt[__ldcg(idx + i)], 1);
+    for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&cnt[load_idx(i)], 1);
   }
   __syncthreads();
   scan_expert_rows(E, M, ovf, meta, cnt);
@@ -200,7 +210,7 @@ __device__ void assign_pairs(const int32_t* idx, int T, int k, int E, int M, int
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;  // the slot cursors
   __syncthreads();
   for (int i = threadIdx.x; i < P; i += blockDim.x) {
-    const int e = __ldcg(idx + i), t = i / k;
+    const int e = load_idx(i), t = i / k;
     int slot;
     if (mask) {
       const unsigned* m = mask + e * W;
@@ -214,19 +224,43 @@ __device__ void assign_pairs(const int32_t* idx, int T, int k, int E, int M, int
   }
 }
 
-// Shared memory of assign_pairs: E counts, then (ordered) the E x ceil(T / 32) token masks.
-size_t assign_smem_bytes(int T, int E, bool ordered) {
-  return size_t(E) * sizeof(int) + (ordered ? size_t(E) * size_t((T + 31) / 32) * sizeof(unsigned) : 0);
+// Shared memory of assign_pairs: E counts, then (ordered) the E x ceil(T / 32) token masks, then (staged) T k idx.
+size_t assign_smem_bytes(int T, int k, int E, bool ordered, bool staged) {
+  return size_t(E) * sizeof(int) + (ordered ? size_t(E) * size_t((T + 31) / 32) * sizeof(unsigned) : 0) +
+         (staged ? size_t(T) * size_t(k) * sizeof(int) : 0);
 }
-constexpr size_t kAssignMaxSmem = 48 * 1024;  // without the opt-in attribute
+// Dynamic shared memory for assign_pairs, within the 48 KB a launch gets without the opt-in attribute: moe_assign_k
+// has no other, router_route_k has 16 KB of its own.
+constexpr size_t kAssignMaxSmem = 46 * 1024, kRouteAssignMaxSmem = 30 * 1024;
+// The layout assign_pairs gets: ordered and staged where they fit, ordered alone, else neither.
+struct AssignLayout {
+  bool ordered, staged;
+  size_t bytes;
+};
+AssignLayout assign_layout(int T, int k, int E, size_t max_bytes) {
+  for (auto [o, st] : {std::pair{true, true}, std::pair{true, false}, std::pair{false, true}})
+    if (assign_smem_bytes(T, k, E, o, st) <= max_bytes) return {o, st, assign_smem_bytes(T, k, E, o, st)};
+  return {false, false, assign_smem_bytes(T, k, E, false, false)};
+}
+// assign_pairs' shared-memory pointers in a block's dynamic shared memory laid out as AssignLayout says.
+struct AssignSmem {
+  int* cnt;
+  unsigned* mask;
+  int* idx;
+};
+__device__ AssignSmem assign_smem_of(int* smem, int T, int E, bool ordered, bool staged) {
+  unsigned* mask = ordered ? reinterpret_cast<unsigned*>(smem + E) : nullptr;
+  int* idx = staged ? smem + E + (ordered ? E * ((T + 31) / 32) : 0) : nullptr;
+  return {smem, mask, idx};
+}
 
 __global__ void moe_assign_k(const int32_t* idx, int T, int k, int E, int M, int32_t* ovf, int32_t* sorted_pos,
-                             int32_t* meta, int32_t* slot_token, bool ordered) {
+                             int32_t* meta, int32_t* slot_token, bool ordered, bool staged) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
-  extern __shared__ int assign_smem[];  // [E] counts, then the token masks (ordered)
-  assign_pairs(idx, T, k, E, M, ovf, sorted_pos, meta, assign_smem, slot_token,
-               ordered ? reinterpret_cast<unsigned*>(assign_smem + E) : nullptr);
+  extern __shared__ int assign_smem[];  // AssignLayout
+  const AssignSmem sm = assign_smem_of(assign_smem, T, E, ordered, staged);
+  assign_pairs(idx, T, k, E, M, ovf, sorted_pos, meta, sm.cnt, slot_token, sm.mask, sm.idx);
 }
 
 // ---- the router of canvas-sized passes (router_top_k_assign): two launches instead of four ----
@@ -236,9 +270,10 @@ __global__ void moe_assign_k(const int32_t* idx, int T, int k, int E, int M, int
 // canvas shape, so the GEMM costs about one global round trip plus ~1000 FMAs a thread. Warp w takes tokens
 // w + 8 i, lane l experts l + 32 j: the token rows are broadcast reads, and the 68-float row stride puts the expert
 // rows of a quarter warp's 16-byte reads in distinct banks.
-// router_route_k: one warp per token adds the split partials in split order, writes the logits and routes the token
-// (warp_top_k); the last block to finish (an arrival counter) assigns every pair (assign_pairs, ordered when its
-// masks fit in shared memory) and writes slot_token for the gathered gate_up.
+// router_route_k: four warps per token add a quarter of the split partials each (in split order), one adds the four
+// sums (in warp order), writes the logits and routes the token (warp_top_k); the last block to finish (an arrival
+// counter) assigns every pair (assign_pairs, ordered and with idx staged in shared memory where they fit) and writes
+// slot_token for the gathered gate_up.
 // Fixed summation orders, so the results do not depend on which block finishes last.
 // History (docs/BENCHMARKS.md): session 4's version (128 blocks of 32 tokens x 128 experts, k split 16 ways and
 // streamed through a double buffer; the assignment by atomics) measured 15.2 + 20.2 us a layer and no faster than
@@ -259,7 +294,10 @@ struct RouterArgs {
 };
 constexpr int kRtTok = 32, kRtExp = 128, kRtKc = 64, kRtThreads = 256, kRtWarps = kRtThreads / 32;
 constexpr int kRtPad = kRtKc + 4;  // shared row stride (floats): 16-byte aligned, quarter-warp reads conflict-free
-constexpr int kRouteWarps = 8;
+// router_route_k: kRouteTokens tokens a block, kRouteWarpsPerToken warps a token, each with up to kRouteLoads split
+// loads in flight (44 splits at H 2816: 11 a warp, one round).
+constexpr int kRouteTokens = 8, kRouteWarpsPerToken = 4, kRouteLoads = 11;
+constexpr int kRouteWarps = kRouteTokens * kRouteWarpsPerToken;
 static_assert(kRtTok % kRtWarps == 0 && kRtExp % 32 == 0, "tile shape");
 
 // Token tiles of kRtTok and k slices of kRtKc.
@@ -316,28 +354,49 @@ __global__ void __launch_bounds__(kRtThreads) router_partials_k(RouterArgs a) {
   }
 }
 
-__global__ void __launch_bounds__(32 * kRouteWarps) router_route_k(RouterArgs a, int splits, bool ordered) {
-  extern __shared__ int route_smem[];  // assign_pairs' counts and masks (the last block only)
+__global__ void __launch_bounds__(32 * kRouteWarps) router_route_k(RouterArgs a, int splits, bool ordered,
+                                                                    bool staged) {
+  extern __shared__ int route_smem[];  // assign_pairs' AssignLayout (the last block only)
+  __shared__ __align__(16) float psum[kRouteTokens][kRouteWarpsPerToken][kRtExp];
   __shared__ unsigned arrival;
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
-  const int lane = threadIdx.x & 31, t = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
-  if (t < a.T) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tl = warp / kRouteWarpsPerToken, q = warp % kRouteWarpsPerToken, t = blockIdx.x * kRouteTokens + tl;
+  if (t < a.T) {  // warp q adds splits q, q + 4, ... in that order, every load of the warp in flight at once
     auto part = [&](int sp) {
       return reinterpret_cast<const float4*>(a.partial + (size_t(sp) * a.T + t) * kRtExp)[lane];
     };
-    float4 sum = part(0);
-    constexpr int kBatch = 8;  // loads in flight per lane; the adds stay in split order
-    for (int sp0 = 1; sp0 < splits; sp0 += kBatch) {
-      float4 v[kBatch];
+    float4 v[kRouteLoads], sum = make_float4(0, 0, 0, 0);
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u)
-        if (sp0 + u < splits) v[u] = part(sp0 + u);
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u)
-        if (sp0 + u < splits) sum.x += v[u].x, sum.y += v[u].y, sum.z += v[u].z, sum.w += v[u].w;
+    for (int u = 0; u < kRouteLoads; ++u) {
+      const int sp = q + kRouteWarpsPerToken * u;
+      if (sp < splits) v[u] = part(sp);
     }
-    float l[4] = {sum.x, sum.y, sum.z, sum.w};
+    for (int sp0 = q; sp0 < splits; sp0 += kRouteWarpsPerToken * kRouteLoads) {
+#pragma unroll
+      for (int u = 0; u < kRouteLoads; ++u) {
+        const int sp = sp0 + kRouteWarpsPerToken * u;
+        if (sp < splits) sum.x += v[u].x, sum.y += v[u].y, sum.z += v[u].z, sum.w += v[u].w;
+      }
+#pragma unroll
+      for (int u = 0; u < kRouteLoads; ++u) {  // the next round's loads (splits > 4 kRouteLoads only)
+        const int sp = sp0 + kRouteWarpsPerToken * (kRouteLoads + u);
+        if (sp < splits) v[u] = part(sp);
+      }
+    }
+    reinterpret_cast<float4*>(psum[tl][q])[lane] = sum;
+  }
+  __syncthreads();
+  if (t < a.T && q == 0) {  // the four sums added in warp order, then the token's top-k
+    float l[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float x = psum[tl][0][lane * 4 + j];
+#pragma unroll
+      for (int w = 1; w < kRouteWarpsPerToken; ++w) x += psum[tl][w][lane * 4 + j];
+      l[j] = x;
+    }
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       if (lane * 4 + j < a.E) a.logits[size_t(t) * a.E + lane * 4 + j] = l[j];
@@ -352,8 +411,8 @@ __global__ void __launch_bounds__(32 * kRouteWarps) router_route_k(RouterArgs a,
   if (arrival != gridDim.x - 1) return;
   __threadfence();
   if (threadIdx.x == 0) *a.counters = 0;  // every block has arrived: ready for the next launch
-  assign_pairs(a.idx, a.T, a.k, a.E, a.M, a.ovf, a.sorted_pos, a.meta, route_smem, a.slot_token,
-               ordered ? reinterpret_cast<unsigned*>(route_smem + a.E) : nullptr);
+  const AssignSmem sm = assign_smem_of(route_smem, a.T, a.E, ordered, staged);
+  assign_pairs(a.idx, a.T, a.k, a.E, a.M, a.ovf, a.sorted_pos, a.meta, sm.cnt, a.slot_token, sm.mask, sm.idx);
 }
 
 // act = bf16(gelu_tanh(gate) * up) over the padded rows that hold a pair (slot < valid[e]); gate/up in f32.
@@ -584,9 +643,9 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
 
 void moe_assign_padded(const int32_t* idx, int T, int k, int E, int M, int32_t* ovf_offsets, int32_t* sorted_pos,
                        int32_t* meta, int32_t* slot_token, cudaStream_t s) {
-  const bool ordered = assign_smem_bytes(T, E, true) <= kAssignMaxSmem;
-  launch_pdl(moe_assign_k, dim3(1), dim3(1024), assign_smem_bytes(T, E, ordered), s, idx, T, k, E, M, ovf_offsets,
-             sorted_pos, M > 0 ? meta : nullptr, M > 0 ? slot_token : nullptr, ordered);
+  const AssignLayout al = assign_layout(T, k, E, kAssignMaxSmem);
+  launch_pdl(moe_assign_k, dim3(1), dim3(1024), al.bytes, s, idx, T, k, E, M, ovf_offsets, sorted_pos,
+             M > 0 ? meta : nullptr, M > 0 ? slot_token : nullptr, al.ordered, al.staged);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -620,9 +679,9 @@ void router_top_k_assign(const float* x, int T, int H, const float* W, int E, in
                sorted_pos, meta, M > 0 ? slot_token : nullptr};
   launch_pdl(router_partials_k, dim3(unsigned(sp.tiles), unsigned(sp.splits)), dim3(kRtThreads), 0, s, a);
   CUDA_CHECK_LAUNCH();
-  const bool ordered = assign_smem_bytes(T, E, true) <= kAssignMaxSmem;
-  launch_pdl(router_route_k, dim3(unsigned((T + kRouteWarps - 1) / kRouteWarps)), dim3(32 * kRouteWarps),
-             assign_smem_bytes(T, E, ordered), s, a, sp.splits, ordered);
+  const AssignLayout al = assign_layout(T, k, E, kRouteAssignMaxSmem);
+  launch_pdl(router_route_k, dim3(unsigned((T + kRouteTokens - 1) / kRouteTokens)), dim3(32 * kRouteWarps), al.bytes,
+             s, a, sp.splits, al.ordered, al.staged);
   CUDA_CHECK_LAUNCH();
 }
 
