@@ -1,10 +1,10 @@
 #pragma once
 // CudaOptions for the GPU parity tests. DIFFGEMMA_TEST_GROUPED_EXPERTS=1 runs them with CudaOptions::padded_experts
-// off (the grouped expert kernels on canvas passes too), DIFFGEMMA_TEST_FUSED_ROUTER=1 with
-// CudaOptions::fused_router on (router_top_k_assign), DIFFGEMMA_TEST_CUBLAS_EXPERTS=1 with CudaOptions::tma_experts off
+// off (the grouped expert kernels on canvas passes too), DIFFGEMMA_TEST_CUBLAS_ROUTER=1 with
+// CudaOptions::fused_router off (cuBLASLt's router GEMM), DIFFGEMMA_TEST_CUBLAS_EXPERTS=1 with CudaOptions::tma_experts off
 // (cuBLASLt gate_up on Hopper too), DIFFGEMMA_TEST_TMA_EXPERTS_DOWN=1 with the TMA down kernel on as well,
-// DIFFGEMMA_TEST_NO_TMA_GATHER=1 with CudaOptions::tma_gather_rows off, DIFFGEMMA_TEST_DYNAMIC_EXPERT_TILES=1 with
-// CudaOptions::dynamic_expert_tiles on, so every path stays covered.
+// DIFFGEMMA_TEST_NO_TMA_GATHER=1 with CudaOptions::tma_gather_rows off, DIFFGEMMA_TEST_STATIC_EXPERT_TILES=1 with
+// CudaOptions::dynamic_expert_tiles off, so every path stays covered.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -18,18 +18,18 @@ inline dg::CudaOptions cuda_test_options() {
   };
   dg::CudaOptions o;
   o.padded_experts = !flag("DIFFGEMMA_TEST_GROUPED_EXPERTS");
-  o.fused_router = flag("DIFFGEMMA_TEST_FUSED_ROUTER");
+  o.fused_router = !flag("DIFFGEMMA_TEST_CUBLAS_ROUTER");
   o.tma_experts = !flag("DIFFGEMMA_TEST_CUBLAS_EXPERTS");
   o.tma_experts_down = flag("DIFFGEMMA_TEST_TMA_EXPERTS_DOWN");
   o.tma_gather_rows = !flag("DIFFGEMMA_TEST_NO_TMA_GATHER");
-  o.dynamic_expert_tiles = flag("DIFFGEMMA_TEST_DYNAMIC_EXPERT_TILES");
+  o.dynamic_expert_tiles = !flag("DIFFGEMMA_TEST_STATIC_EXPERT_TILES");
   static const bool said = [&] {
     if (!o.padded_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::padded_experts off (grouped experts)\n");
-    if (o.fused_router) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_router on\n");
+    if (!o.fused_router) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_router off (cuBLASLt router)\n");
     if (!o.tma_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::tma_experts off (cuBLASLt expert GEMMs)\n");
     if (o.tma_experts_down) std::fprintf(stderr, "[cuda tests] CudaOptions::tma_experts_down on\n");
     if (!o.tma_gather_rows) std::fprintf(stderr, "[cuda tests] CudaOptions::tma_gather_rows off\n");
-    if (o.dynamic_expert_tiles) std::fprintf(stderr, "[cuda tests] CudaOptions::dynamic_expert_tiles on\n");
+    if (!o.dynamic_expert_tiles) std::fprintf(stderr, "[cuda tests] CudaOptions::dynamic_expert_tiles off\n");
     return true;
   }();
   (void)said;

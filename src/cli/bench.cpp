@@ -18,6 +18,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_device.h"
+#include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/pdl.h"
 #include "diffusion/generate.h"
@@ -33,9 +34,10 @@ struct BenchArgs {
   int reps = 10;
   std::string contexts = "512,4096,32768", prefills = "4096,32768";
   bool json = false, breakdown = false, no_graphs = false, grouped_experts = false, tune_gemm = false;
-  bool no_overlap = false, fused_router = false, no_pdl = false, untuned_gemm = false;
+  bool no_overlap = false, cublas_router = false, no_pdl = false, untuned_gemm = false;
   int dense_mlp_sms = -1;  // -1: CudaOptions' default
-  bool cublas_experts = false, tma_experts_down = false, no_tma_gather = false, dynamic_expert_tiles = false;
+  bool cublas_experts = false, tma_experts_down = false, no_tma_gather = false, static_expert_tiles = false;
+  int attn_splits = 0;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -103,6 +105,7 @@ int run_bench(const BenchArgs& args) {
   cuda::set_gemm_tuning(args.tune_gemm);
   cuda::set_gemm_table(!args.untuned_gemm);
   cuda::set_pdl(!args.no_pdl);
+  cuda::set_attention_splits(args.attn_splits);
   auto info = cuda::query_device(0);
   if (!info.available) fail("bench needs a CUDA GPU: {}", info.reason);
   int max_ctx = 0;
@@ -116,12 +119,12 @@ int run_bench(const BenchArgs& args) {
   opt.cuda_graphs = !no_graphs;
   opt.padded_experts = !args.grouped_experts;
   opt.overlap_dense_mlp = !args.no_overlap;
-  opt.fused_router = args.fused_router;
+  opt.fused_router = !args.cublas_router;
   if (args.dense_mlp_sms >= 0) opt.dense_mlp_sms = args.dense_mlp_sms;
   opt.tma_experts = !args.cublas_experts;
   opt.tma_experts_down = args.tma_experts_down;
   opt.tma_gather_rows = !args.no_tma_gather;
-  opt.dynamic_expert_tiles = args.dynamic_expert_tiles;
+  opt.dynamic_expert_tiles = !args.static_expert_tiles;
   opt.expert_sms = args.expert_sms;
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
   opt.tma_experts_grid = args.tma_grid;
@@ -158,7 +161,7 @@ int run_bench(const BenchArgs& args) {
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = opt.dense_mlp_sms;
   out["pdl"] = !args.no_pdl;
-  out["router"] = args.fused_router ? "router_top_k_assign (two launches)" : "cuBLASLt f32 GEMM + top-k + assign";
+  out["router"] = opt.fused_router ? "router_top_k_assign (two launches)" : "cuBLASLt f32 GEMM + top-k + assign";
   out["experts"] = args.grouped_experts ? "grouped kernels"
                    : args.cublas_experts ? "padded strided-batched cuBLASLt"
                    : args.tma_experts_down ? "padded: TMA + wgmma gate_up + down (PDL) where supported"
@@ -166,7 +169,8 @@ int run_bench(const BenchArgs& args) {
   out["expert_sms"] = args.expert_sms;
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
   out["tma_gather_rows"] = !args.no_tma_gather;
-  out["dynamic_expert_tiles"] = args.dynamic_expert_tiles;
+  out["dynamic_expert_tiles"] = opt.dynamic_expert_tiles;
+  out["attention_splits"] = args.attn_splits;
   out["tma_grid"] = args.tma_grid;
   out["tma_stages"] = args.tma_stages;
   out["sc"] = args.sc_sparse ? "sparse survivors (exact fallback per step)" : "exact (probs @ E GEMM)";
@@ -344,18 +348,22 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                     "A/B: the dense MLP on the main stream (CudaOptions::overlap_dense_mlp = false)");
                        sub.add_flag("--no-pdl", a->no_pdl,
                                     "A/B: launch without programmatic dependent launch (src/backend/cuda/launch.cuh)");
-                       sub.add_flag("--fused-router", a->fused_router,
-                                    "A/B: the router GEMM, top-k and expert assignment in two launches "
-                                    "(CudaOptions::fused_router)");
+                       sub.add_flag("--cublas-router", a->cublas_router,
+                                    "A/B: the router as cuBLASLt's f32 GEMM + its reduce + top-k + assignment "
+                                    "instead of two launches of our own (CudaOptions::fused_router = false)");
                        sub.add_flag("--cublas-experts", a->cublas_experts,
                                     "A/B: the padded path's gate_up on cuBLASLt + a GELU pass instead of the TMA + "
                                     "wgmma kernel (CudaOptions::tma_experts = false)");
                        sub.add_flag("--no-tma-gather", a->no_tma_gather,
                                     "A/B: the TMA gate_up reads a gathered copy of the token rows (the gather kernel "
                                     "before it) instead of the expert input itself (CudaOptions::tma_gather_rows)");
-                       sub.add_flag("--dynamic-expert-tiles", a->dynamic_expert_tiles,
-                                    "A/B: the gathered TMA gate_up hands out its tiles by an atomic counter after "
-                                    "each block's first (CudaOptions::dynamic_expert_tiles)");
+                       sub.add_flag("--static-expert-tiles", a->static_expert_tiles,
+                                    "A/B: the gathered TMA gate_up's blocks stride over its tiles instead of taking "
+                                    "them from an atomic counter (CudaOptions::dynamic_expert_tiles = false)");
+                       sub.add_option("--attn-splits", a->attn_splits,
+                                      "A/B: split-KV count of the attention launches that split (0: as many as fill "
+                                      "the SMs; cuda::set_attention_splits)")
+                           ->check(CLI::Range(0, 16));
                        sub.add_flag("--tma-experts-down", a->tma_experts_down,
                                     "A/B: the down GEMM on the TMA + wgmma kernel too (CudaOptions::tma_experts_down)");
                        sub.add_option("--expert-sms", a->expert_sms,
@@ -374,7 +382,7 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                            ->check(CLI::IsMember({3, 4, 5}));
                        sub.add_option("--dense-mlp-sms", a->dense_mlp_sms,
                                       "plan the concurrent dense MLP's GEMMs for this many SMs (0: all; default: "
-                                      "CudaOptions' 48)")
+                                      "CudaOptions' 66)")
                            ->check(CLI::NonNegativeNumber);
                        sub.add_flag("--untuned-gemm", a->untuned_gemm,
                                     "A/B: cuBLASLt's heuristic first pick for every GEMM instead of the pinned table "

@@ -41,23 +41,23 @@ if [ "${FULLSHAPE:-1}" = 1 ]; then
     --gtest_filter='CudaFullShape.*' >"$OUT/fullshape.log" 2>&1
   f_rc="$? (fixture script rc $g_rc)"
 fi
-# FUSED_ROUTER=1: the parity tests again with CudaOptions::fused_router on (router_top_k_assign).
+# CUBLAS_ROUTER=1: the parity tests again with CudaOptions::fused_router off (cuBLASLt's router GEMM + top-k + assign).
 cr_rc=skipped
-if [ "${FUSED_ROUTER:-0}" = 1 ]; then
-  DIFFGEMMA_TEST_FUSED_ROUTER=1 LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*' \
+if [ "${CUBLAS_ROUTER:-0}" = 1 ]; then
+  DIFFGEMMA_TEST_CUBLAS_ROUTER=1 LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*' \
     >"$OUT/parity_fused_router.log" 2>&1
   cr_rc=$?
 fi
 # CUBLAS_EXPERTS=1: the parity and full-shape tests again with CudaOptions::tma_experts off (cuBLASLt gate_up + the
 # GELU pass, the path of non-Hopper GPUs); TMA_EXPERTS_DOWN=1: with the TMA down kernel on as well; NO_TMA_GATHER=1:
 # with the gate_up kernel reading a gathered copy of the token rows (CudaOptions::tma_gather_rows off);
-# DYNAMIC_EXPERT_TILES=1: with gate_up's tiles from its atomic counter. FUSED_ROUTER=1 applies to this run too.
+# STATIC_EXPERT_TILES=1: with gate_up's blocks striding over its tiles. CUBLAS_ROUTER=1 applies to this run too.
 te_rc=skipped
 if [ "${CUBLAS_EXPERTS:-0}" = 1 ] || [ "${TMA_EXPERTS_DOWN:-0}" = 1 ] || [ "${NO_TMA_GATHER:-0}" = 1 ] ||
-  [ "${DYNAMIC_EXPERT_TILES:-0}" = 1 ]; then
+  [ "${STATIC_EXPERT_TILES:-0}" = 1 ]; then
   DIFFGEMMA_TEST_CUBLAS_EXPERTS=${CUBLAS_EXPERTS:-0} DIFFGEMMA_TEST_TMA_EXPERTS_DOWN=${TMA_EXPERTS_DOWN:-0} \
-    DIFFGEMMA_TEST_NO_TMA_GATHER=${NO_TMA_GATHER:-0} DIFFGEMMA_TEST_DYNAMIC_EXPERT_TILES=${DYNAMIC_EXPERT_TILES:-0} \
-    DIFFGEMMA_TEST_FUSED_ROUTER=${FUSED_ROUTER:-0} \
+    DIFFGEMMA_TEST_NO_TMA_GATHER=${NO_TMA_GATHER:-0} DIFFGEMMA_TEST_STATIC_EXPERT_TILES=${STATIC_EXPERT_TILES:-0} \
+    DIFFGEMMA_TEST_CUBLAS_ROUTER=${CUBLAS_ROUTER:-0} \
     DIFFGEMMA_FULLSHAPE_DIR="$FS_DIR" LD_LIBRARY_PATH="$LIBS" timeout 300 \
     "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*:CudaFullShape.*' >"$OUT/parity_experts_path.log" 2>&1
   te_rc=$?
@@ -106,11 +106,11 @@ fi
   echo "== parity (rc $p_rc)"; grep -E '^\[parity\]|^\[  (FAILED|  OK|SKIPPED) \]' "$OUT/parity.log"
   grep -E '^\[trace\].*(logits|stage  0)' "$OUT/parity.log" | head -80
   grep -B2 -A6 'Failure' "$OUT/parity.log" | head -60
-  echo "== parity with the fused router (rc $cr_rc)"
+  echo "== parity with the cuBLASLt router (rc $cr_rc)"
   [ -f "$OUT/parity_fused_router.log" ] && grep -E '^\[parity\]|^\[  (FAILED|  OK) \]' "$OUT/parity_fused_router.log"
   echo "== parity + full shape, CUBLAS_EXPERTS=${CUBLAS_EXPERTS:-0} TMA_EXPERTS_DOWN=${TMA_EXPERTS_DOWN:-0}" \
-    "NO_TMA_GATHER=${NO_TMA_GATHER:-0} DYNAMIC_EXPERT_TILES=${DYNAMIC_EXPERT_TILES:-0}" \
-    "FUSED_ROUTER=${FUSED_ROUTER:-0} (rc $te_rc)"
+    "NO_TMA_GATHER=${NO_TMA_GATHER:-0} STATIC_EXPERT_TILES=${STATIC_EXPERT_TILES:-0}" \
+    "CUBLAS_ROUTER=${CUBLAS_ROUTER:-0} (rc $te_rc)"
   [ -f "$OUT/parity_experts_path.log" ] && grep -E '^\[parity\]|^\[fullshape\] (nosc|sc|commit) |^\[  (FAILED|  OK) \]' "$OUT/parity_experts_path.log"
   echo "== full shape vs HF (rc $f_rc)"
   [ -f "$OUT/fullshape_fixture.log" ] && grep -E 'FAIL|WARN|agree|cosine|Error' "$OUT/fullshape_fixture.log" | tail -12

@@ -53,15 +53,19 @@ struct CudaOptions {
   // Run a layer's dense MLP (then the experts' few overflow rows) on a second stream, concurrently with its router
   // and experts (A/B: bench --no-overlap). dense_mlp_sms > 0 plans those GEMMs for that many SMs, leaving the rest
   // to the main stream: cuBLASLt's Hopper kernels otherwise take every SM (each block holding a whole SM's registers
-  // and shared memory), and the router's small kernels wait for them. H200, 4K step: 18.35 ms on all SMs, 18.06 /
-  // 18.06 / 18.10 / 18.07 on 33 / 48 / 66 / 80 (docs/BENCHMARKS.md, session 5); 0: all SMs.
+  // and shared memory), and the router's small kernels wait for them. H200, 4K step, cuBLASLt's router chain: 18.35
+  // ms on all SMs, 18.06 / 18.06 / 18.10 / 18.07 on 33 / 48 / 66 / 80 (docs/BENCHMARKS.md, session 5); with
+  // fused_router and dynamic_expert_tiles: 17.58 / 17.51 / 17.42 / 17.49 / 17.52 / 17.49 on 56 / 66 / 66 / 80 / 100 /
+  // all (session 6); 0: all SMs.
   bool overlap_dense_mlp = true;
-  int dense_mlp_sms = 48;
+  int dense_mlp_sms = 66;
   // Canvas-sized passes with padded experts route in two launches (router_top_k_assign: the f32 router GEMM's split
-  // partials, then top-k and the padded assignment) instead of cuBLASLt's split-K GEMM + its reduce + route_top_k +
-  // moe_assign. A/B: bench --fused-router. (A one-launch version measured 41-43 us a layer against ~39 for the five
-  // launches, docs/BENCHMARKS.md 2026-11-30 session 4.)
-  bool fused_router = false;
+  // partials, then top-k and the padded assignment, in token order) instead of cuBLASLt's split-K GEMM + its reduce +
+  // route_top_k + moe_assign. Alone it is slower (its blocks take the SMs before the dense MLP's GEMM, which then
+  // overlaps gate_up); with dynamic_expert_tiles and dense_mlp_sms 66 the 4K step is 17.41-17.57 ms against
+  // 17.61-17.63 (H200, docs/BENCHMARKS.md session 6), and a commit 16.5 against 17.0 ms. A/B: bench
+  // --cublas-router. (A one-launch version measured 41-43 us a layer in session 4.)
+  bool fused_router = true;
   // Canvas-sized padded passes with 32 rows per expert (the real model: 256 tokens, top 8 of 128) on Hopper (sm_90a
   // image): gate_up on our TMA + wgmma kernel (kernels_experts_tma.cu) instead of cuBLASLt, with the GELU-tanh * up in
   // its epilogue (no f32 gate/up, no moe_gelu_mul_padded). It is PDL-launched and streams its first weight tiles
@@ -76,8 +80,8 @@ struct CudaOptions {
   bool tma_gather_rows = true;
   // With tma_gather_rows: after each block's first tile, gate_up's tiles come from an atomic counter instead of a
   // fixed stride, so the blocks that start late (on the SMs the dense MLP's GEMMs hold) take fewer tiles instead of
-  // ending the kernel late. Same results, bitwise. A/B: bench --dynamic-expert-tiles.
-  bool dynamic_expert_tiles = false;
+  // ending the kernel late. Same results, bitwise. A/B: bench --static-expert-tiles.
+  bool dynamic_expert_tiles = true;
   // With tma_experts: the down GEMM on the TMA kernel too. Off: it measured 0.3 ms a step slower than cuBLASLt down
   // (4.39 vs 4.09 ms summed over the layers; bench --tma-experts-down).
   bool tma_experts_down = false;

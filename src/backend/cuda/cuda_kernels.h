@@ -122,6 +122,10 @@ struct AttentionArgs {
   bf16* out;
 };
 void attention(const AttentionArgs& a, cudaStream_t s);
+// A/B (bench --attn-splits): the split-KV count of the launches whose grid is small enough to split (at most half
+// the SMs), in place of "as many as fill the SMs"; still capped by the key tiles and the workspace. 0: automatic.
+// Process-wide, like set_pdl; results stay deterministic for a given count.
+void set_attention_splits(int n);
 
 // ---- MoE (kernels_moe.cu) ----
 // Router over f32 logits [T, E]: softmax, top-k (higher prob first, ties -> lower index), renormalized,

@@ -1278,12 +1278,15 @@ constexpr bool kXAsync = true;         // attention_wgx_k: S exchange by st.asyn
 constexpr bool kWgxSw128 = true;      // attention_wgx_k: 128-byte swizzled tiles (as attention_ws_k with kWsSw128)
 
 // Split-KV count for a grid of `base` blocks over `tiles` key tiles (1: no split).
+int g_attention_splits = 0;  // set_attention_splits
+
 Split pick_split(const AttentionArgs& a, int base, int64_t tiles, int D) {
   const int rows = a.T * (a.nh / a.nkv);
   Split sp{1, nullptr, nullptr};
   const int sms = sm_count();
   if (2 * base <= sms) {
-    int ns = int(std::min<int64_t>({int64_t(sms / base), tiles / 2, 16}));
+    const int64_t want = g_attention_splits > 0 ? g_attention_splits : sms / base;
+    int ns = int(std::min<int64_t>({want, tiles / 2, 16}));
     while (ns > 1 && (size_t(ns) * a.nkv * rows * D > kWsFloats || size_t(ns) * a.nkv * rows * 2 > kMlFloats)) --ns;
     if (ns > 1) {
       static float *ws_o = nullptr, *ws_ml = nullptr;
@@ -1379,6 +1382,8 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
 }
 
 }  // namespace
+
+void set_attention_splits(int n) { g_attention_splits = n > 0 ? n : 0; }
 
 void attention(const AttentionArgs& a, cudaStream_t s) {
   if (a.T == 0) return;
