@@ -38,6 +38,7 @@ struct BenchArgs {
   int dense_mlp_sms = -1;  // -1: CudaOptions' default
   bool cublas_experts = false, tma_experts_down = false, no_tma_gather = false, static_expert_tiles = false;
   int attn_splits = 0;
+  bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -125,6 +126,7 @@ int run_bench(const BenchArgs& args) {
   opt.tma_experts_down = args.tma_experts_down;
   opt.tma_gather_rows = !args.no_tma_gather;
   opt.dynamic_expert_tiles = !args.static_expert_tiles;
+  opt.dense_mlp_priority = args.dense_mlp_priority;
   opt.expert_sms = args.expert_sms;
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
   opt.tma_experts_grid = args.tma_grid;
@@ -171,6 +173,7 @@ int run_bench(const BenchArgs& args) {
   out["tma_gather_rows"] = !args.no_tma_gather;
   out["dynamic_expert_tiles"] = opt.dynamic_expert_tiles;
   out["attention_splits"] = args.attn_splits;
+  out["dense_mlp_priority"] = opt.dense_mlp_priority;
   out["tma_grid"] = args.tma_grid;
   out["tma_stages"] = args.tma_stages;
   out["sc"] = args.sc_sparse ? "sparse survivors (exact fallback per step)" : "exact (probs @ E GEMM)";
@@ -360,6 +363,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--static-expert-tiles", a->static_expert_tiles,
                                     "A/B: the gathered TMA gate_up's blocks stride over its tiles instead of taking "
                                     "them from an atomic counter (CudaOptions::dynamic_expert_tiles = false)");
+                       sub.add_flag("--dense-mlp-priority", a->dense_mlp_priority,
+                                    "A/B: the dense MLP's stream at the highest priority "
+                                    "(CudaOptions::dense_mlp_priority)");
                        sub.add_option("--attn-splits", a->attn_splits,
                                       "A/B: split-KV count of the attention launches that split (0: as many as fill "
                                       "the SMs; cuda::set_attention_splits)")

@@ -298,7 +298,13 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaSetDevice(opt.device));
     layers_ = weights_->layers_;  // weight pointers; the KV regions are this backend's (layout)
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    if (opt.dense_mlp_priority) {  // numerically lowest = most urgent
+      int least = 0, greatest = 0;
+      CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      CUDA_CHECK(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, greatest));
+    } else {
+      CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    }
     CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&grouped_, cudaEventDisableTiming));
@@ -557,7 +563,9 @@ class CudaBackend final : public Backend {
         (void)cudaGetLastError();  // a failed update is not sticky; instantiate afresh
         if (graph_exec_) CUDA_CHECK(cudaGraphExecDestroy(graph_exec_));
         graph_exec_ = nullptr;
-        const cudaError_t e = cudaGraphInstantiate(&graph_exec_, graph, 0);
+        // With dense_mlp_priority the side stream's kernel nodes keep the priority they were captured with.
+        const cudaError_t e = cudaGraphInstantiate(
+            &graph_exec_, graph, opt_.dense_mlp_priority ? cudaGraphInstantiateFlagUseNodePriority : 0);
         cudaGraphDestroy(graph);
         CUDA_CHECK(e);
       } else {

@@ -59,6 +59,10 @@ struct CudaOptions {
   // all (session 6); 0: all SMs.
   bool overlap_dense_mlp = true;
   int dense_mlp_sms = 66;
+  // With overlap_dense_mlp: the side stream at the device's highest priority (kept in the decoder graph's kernel
+  // nodes), so that the dense MLP's blocks are placed before the gate_up blocks still waiting for an SM, and its
+  // second GEMM need not wait for gate_up's blocks to exit. A/B: bench --dense-mlp-priority.
+  bool dense_mlp_priority = false;
   // Canvas-sized passes with padded experts route in two launches (router_top_k_assign: the f32 router GEMM's split
   // partials, then top-k and the padded assignment, in token order) instead of cuBLASLt's split-K GEMM + its reduce +
   // route_top_k + moe_assign. Alone it is slower (its blocks take the SMs before the dense MLP's GEMM, which then
