@@ -209,7 +209,7 @@ json full_size_text_config() {
                                                    {"rope_theta", 1000000.0}}}}}};
 }
 
-TEST(Config, BothSerializationsOfTheFullModelAgree) {
+TEST(Config, BothSerializationsOfTheFullModelAgreeWithTheBuiltInCopy) {
   json legacy = full_size_text_config();
   legacy["global_head_dim"] = 512;
   legacy["num_global_key_value_heads"] = 2;
@@ -218,7 +218,20 @@ TEST(Config, BothSerializationsOfTheFullModelAgree) {
   for (int i : {5, 11, 17, 23, 29}) modern["per_layer_config"][std::to_string(i)] = {{"head_dim", 512}, {"num_key_value_heads", 2}};
   ModelConfig a = parse_model_config_json(json{{"text_config", legacy}, {"canvas_length", 256}}.dump(), "legacy");
   ModelConfig b = parse_model_config_json(json{{"text_config", modern}, {"canvas_length", 256}}.dump(), "modern");
-  for (const ModelConfig* c : {&a, &b}) {
+  // and the built-in copy the synthetic benches use
+  const ModelConfig d = diffusiongemma_26b_a4b_config();
+  for (const ModelConfig* c : std::initializer_list<const ModelConfig*>{&a, &b, &d}) {
+    EXPECT_EQ(c->hidden_size, 2816);
+    EXPECT_EQ(c->intermediate_size, 2112);
+    EXPECT_EQ(c->moe_intermediate_size, 704);
+    EXPECT_EQ(c->num_experts, 128);
+    EXPECT_EQ(c->top_k_experts, 8);
+    EXPECT_EQ(c->sliding_window, 1024);
+    EXPECT_EQ(c->canvas_length, 256);
+    EXPECT_EQ(c->layers[0].n_kv_heads, 8);
+    EXPECT_TRUE(c->layers[0].has_v_proj);
+    EXPECT_FLOAT_EQ(c->layers[0].rope.theta, 10000.0f);
+    EXPECT_FLOAT_EQ(c->layers[5].rope.theta, 1000000.0f);
     EXPECT_EQ(c->layer_pattern(), "SSSSSFSSSSSFSSSSSFSSSSSFSSSSSF");
     EXPECT_EQ(c->layers[5].head_dim, 512);
     EXPECT_EQ(c->layers[5].n_kv_heads, 2);

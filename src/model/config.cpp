@@ -236,4 +236,30 @@ GenerationConfig load_generation_config(const std::string& model_dir) {
   return parse_generation_config_json(read_text_file(path), path);
 }
 
+ModelConfig diffusiongemma_26b_a4b_config() {
+  ModelConfig c;
+  c.vocab_size = 262144;
+  c.hidden_size = 2816;
+  c.intermediate_size = 2112;
+  c.moe_intermediate_size = 704;
+  c.num_layers = 30;
+  c.num_heads = 16;
+  c.num_experts = 128;
+  c.top_k_experts = 8;
+  c.sliding_window = 1024;
+  c.canvas_length = 256;
+  for (int l = 0; l < 30; ++l) {
+    LayerShape s;
+    if (l % 6 == 5) {
+      s.kind = LayerKind::Full, s.head_dim = 512, s.n_kv_heads = 2, s.has_v_proj = false;
+      s.rope = {1e6f, 64, 512.0f};
+    } else {
+      s.kind = LayerKind::Sliding, s.head_dim = 256, s.n_kv_heads = 8, s.has_v_proj = true;
+      s.rope = {1e4f, 128, 256.0f};
+    }
+    c.layers.push_back(s);
+  }
+  return c;
+}
+
 }  // namespace dg

@@ -48,6 +48,9 @@ struct ModelConfig {
 // serialized forms: `per_layer_config` (transformers >= 5.17) and `global_head_dim`/`num_global_key_value_heads`.
 ModelConfig parse_model_config_json(const std::string& json_text, const std::string& source_name);
 ModelConfig load_model_config(const std::string& model_dir);
+// The shapes of google/diffusiongemma-26B-A4B-it's text decoder (model-reference §1), for synthetic full-size
+// weights (bench, bench-kernels) where no checkpoint is at hand.
+ModelConfig diffusiongemma_26b_a4b_config();
 
 struct GenerationConfig {
   int max_new_tokens = 256;

@@ -83,6 +83,13 @@ fi
 # BENCH_ARGS: extra bench flags, e.g. "--breakdown --prefill 4096" (per-stage CUDA-event times of a denoise step).
 LD_LIBRARY_PATH="$LIBS" timeout 400 "$DIST/diffgemma" bench --json ${BENCH_ARGS:-} >"$OUT/bench.json" 2>"$OUT/bench.log"
 b_rc=$?
+# KERNEL_BENCH=0 skips `diffgemma bench-kernels` (every kernel launcher timed alone at the full-size shapes).
+kb_rc=skipped
+if [ "${KERNEL_BENCH:-1}" = 1 ]; then
+  LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma" bench-kernels ${KERNEL_BENCH_ARGS:-} >"$OUT/bench_kernels.md" \
+    2>"$OUT/bench_kernels.log"
+  kb_rc=$?
+fi
 # AB_ARGS: A/B benches after the main one, ';'-separated flag sets, each with AB_COMMON (default: the 4K step and
 # prefill only), e.g. AB_ARGS="--fused-router;--no-overlap" -> bench_ab1.json, bench_ab2.json, in the summary.
 ab_i=0
@@ -117,6 +124,8 @@ fi
   [ -f "$OUT/fullshape.log" ] && grep -E '^\[fullshape\]|^\[  (FAILED|  OK|SKIPPED) \]|Failure' "$OUT/fullshape.log"
   echo "== bench (rc $b_rc)"; grep -v uploading "$OUT/bench.log"
   for f in "$OUT"/bench_ab*.log; do [ -f "$f" ] && echo "== $(head -1 "$f")" && grep -v -E 'uploading|^A/B' "$f"; done
+  echo "== kernels alone (rc $kb_rc)"; [ -f "$OUT/bench_kernels.md" ] && cat "$OUT/bench_kernels.md"
+  [ -f "$OUT/bench_kernels.log" ] && grep -i error "$OUT/bench_kernels.log"
   echo "== grouped experts: tests rc $pd_rc"
   [ -f "$OUT/grouped.log" ] && grep -E '^\[parity\]|^\[fullshape\] (nosc|sc|commit) |^\[  (FAILED|  OK) \]|Failure' "$OUT/grouped.log" | head -60
   [ -f "$OUT/bench_grouped.log" ] && grep -v uploading "$OUT/bench_grouped.log"
