@@ -299,32 +299,31 @@ TEST(CudaKernels, RouteTopK) {
   }
 }
 
-// router_top_k_assign (two launches: f32 GEMM partials split over H, then top-k and the padded assignment) against
-// the CPU: logits vs a double GEMM, the selection and weights vs cpu::route_top_k on the kernel's own logits (so
-// near-ties cannot flip), and the assignment's invariants: every row once, each expert's rows in token order, and
-// slot_token naming the token of every padded row. The assignment equals moe_assign_padded's on the same idx. One
-// workspace serves every size in turn (its arrival counter must come back zeroed, whatever the token count), and
-// each call is repeated for bitwise determinism, rows included.
-TEST(CudaKernels, RouterTopKAssignFused) {
+// router_top_k (two launches: f32 GEMM partials split over H, then top-k and the expert masks) against the CPU:
+// logits vs a double GEMM, the selection and weights vs cpu::route_top_k on the kernel's own logits (so near-ties
+// cannot flip), every mask bit vs the selection (the masks start poisoned: the router must rewrite them all). Then
+// moe_assign_padded on its idx: every row once, each expert's rows in token order (the order gate_up reads from the
+// masks), slot_token naming the token of every padded row. One workspace serves every size in turn, and each call is
+// repeated for bitwise determinism, rows included.
+TEST(CudaKernels, RouterTopKMasksAndAssignment) {
   REQUIRE_GPU();
   const size_t max_t = 300, max_h = 2816;
   Dev<float> partial(router_partial_floats(int(max_t), int(max_h)) + 1024 * 128);
-  Dev<unsigned> counters(kRouterCounterSlots);
-  CUDA_CHECK(cudaMemset(counters.p, 0, counters.n * sizeof(unsigned)));
   for (auto [T, E, k, H] : {std::tuple{256, 128, 8, 2816}, std::tuple{37, 6, 2, 40}, std::tuple{300, 128, 8, 2816},
                             std::tuple{1, 128, 8, 2816}, std::tuple{65, 100, 7, 1004}, std::tuple{256, 128, 8, 2816}}) {
     ASSERT_TRUE(router_fused_supported(E, H, k));
     ASSERT_LE(router_partial_floats(T, H), partial.n);
-    const int M = moe_padded_rows_per_expert(T, k, E), P = T * k;
+    const int M = moe_padded_rows_per_expert(T, k, E), P = T * k, words = (T + 31) / 32;
     auto x = rnd(size_t(T) * H, -2, 2), W = rnd(size_t(E) * H, -0.05f, 0.05f), pes = rnd(size_t(E), 0.5f, 1.5f);
     const size_t pairs = static_cast<size_t>(P);
     Dev<float> dx(x.size()), dW(W.size()), dp(static_cast<size_t>(E)), logits(size_t(T) * E), w(pairs);
     Dev<int32_t> idx(pairs), ovf(size_t(E) + 1), spos(pairs), meta(2 * size_t(E) + 1), slot(size_t(E) * M);
-    Dev<int32_t> ovf2(size_t(E) + 1), spos2(pairs), meta2(2 * size_t(E) + 1), slot2(size_t(E) * M);  // all poisoned
+    Dev<unsigned> masks(expert_mask_words(T, E));  // poisoned: all bits set
+    ASSERT_EQ(masks.n, size_t(E) * size_t(words));
     dx.put(x), dW.put(W), dp.put(pes);
     auto run = [&] {
-      router_top_k_assign(dx.p, T, H, dW.p, E, k, dp.p, M, partial.p, counters.p, logits.p, idx.p, w.p, ovf.p, spos.p,
-                          meta.p, slot.p, nullptr);
+      router_top_k(dx.p, T, H, dW.p, E, k, dp.p, partial.p, logits.p, idx.p, w.p, masks.p, nullptr);
+      moe_assign_padded(idx.p, T, k, E, M, ovf.p, spos.p, meta.p, slot.p, nullptr);
     };
     run();
     const std::string what = "T " + std::to_string(T) + " E " + std::to_string(E) + " H " + std::to_string(H);
@@ -334,7 +333,7 @@ TEST(CudaKernels, RouterTopKAssignFused) {
     auto go = ovf.get();
     auto gs = spos.get();
     auto gm = meta.get();
-    for (unsigned c : counters.get()) ASSERT_EQ(c, 0u) << what << ": arrival counters not left zeroed";
+    auto gk = masks.get();
     double md = 0, mr = 0;
     for (int t = 0; t < T; ++t)
       for (int e = 0; e < E; ++e) {
@@ -343,6 +342,7 @@ TEST(CudaKernels, RouterTopKAssignFused) {
         md = std::max(md, std::fabs(double(gl[size_t(t) * E + e]) - ref)), mr = std::max(mr, std::fabs(ref));
       }
     EXPECT_LE(md / mr, 1e-5) << what;
+    std::vector<unsigned> want_masks(masks.n, 0u);
     for (int t = 0; t < T; ++t) {
       std::vector<int32_t> ei(static_cast<size_t>(k));
       std::vector<float> ew(static_cast<size_t>(k));
@@ -350,8 +350,10 @@ TEST(CudaKernels, RouterTopKAssignFused) {
       for (int j = 0; j < k; ++j) {
         ASSERT_EQ(gi[size_t(t) * k + j], ei[size_t(j)]) << what << " token " << t << " slot " << j;
         EXPECT_NEAR(gw[size_t(t) * k + j], ew[size_t(j)], 1e-5f) << what;
+        want_masks[size_t(ei[size_t(j)]) * words + t / 32] |= 1u << (t % 32);
       }
     }
+    EXPECT_EQ(gk, want_masks) << what << ": expert masks";
     // assignment: expert e's first min(count, M) pairs in rows e M .., the rest in its overflow range, every row once
     std::vector<int> cnt(static_cast<size_t>(E), 0);
     for (int i = 0; i < P; ++i) ++cnt[size_t(gi[size_t(i)])];
@@ -377,11 +379,6 @@ TEST(CudaKernels, RouterTopKAssignFused) {
         EXPECT_EQ(gt[size_t(e) * M + s], i / k) << what << " slot_token of row " << r;
       }
     }
-    moe_assign_padded(idx.p, T, k, E, M, ovf2.p, spos2.p, meta2.p, slot2.p, nullptr);
-    EXPECT_EQ(ovf2.get(), go) << what << ": router_top_k_assign and moe_assign_padded disagree";
-    EXPECT_EQ(spos2.get(), gs) << what;
-    EXPECT_EQ(meta2.get(), gm) << what;
-    EXPECT_EQ(slot2.get(), gt) << what;
     run();  // bitwise repeatable, the rows too
     auto gl2 = logits.get();
     auto gw2 = w.get();
@@ -389,6 +386,7 @@ TEST(CudaKernels, RouterTopKAssignFused) {
     EXPECT_EQ(0, std::memcmp(gw.data(), gw2.data(), gw.size() * sizeof(float))) << what;
     EXPECT_EQ(idx.get(), gi) << what;
     EXPECT_EQ(spos.get(), gs) << what;
+    EXPECT_EQ(masks.get(), gk) << what;
   }
 }
 
@@ -520,6 +518,15 @@ std::vector<int32_t> random_routing(int T, int E, int k) {
   return idx;
 }
 
+// router_top_k's expert masks for a routing: bit t % 32 of word e ceil(T / 32) + t / 32 iff token t chose e.
+std::vector<unsigned> expert_masks_of(const std::vector<int32_t>& idx, int T, int E, int k) {
+  const int words = (T + 31) / 32;
+  std::vector<unsigned> m(size_t(E) * size_t(words), 0u);
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < k; ++j) m[size_t(idx[size_t(t) * k + j]) * words + t / 32] |= 1u << (t % 32);
+  return m;
+}
+
 TEST(CudaKernels, MoeGroupedExperts) {
   REQUIRE_GPU();
   for (auto [T, E, k, H, I] : {std::tuple{37, 6, 2, 40, 24}, std::tuple{300, 16, 4, 136, 72},
@@ -599,7 +606,8 @@ TEST(CudaKernels, MoePaddedExperts) {
 // wait). Bitwise equal across: a repeat run, a launch on 5 SMs (the 8-stage ring), PDL off, an L2 prefetch, and a
 // grid of 7 blocks with 5-stage rings, three 3-stage blocks per SM; and gate_up reading the token rows straight from x
 // (moe_gate_up_padded_tma_gathered) bitwise equal to gate_up on the gathered copy, with its tiles by the fixed stride
-// or from the atomic counter (TmaExpertsPlan::tile_counters, left zeroed) on three grids.
+// or from the atomic counter (TmaExpertsPlan::tile_counters, left zeroed) on three grids, and with each expert's
+// tokens from router_top_k-style masks (moe_gate_up_padded_tma_masked; the case with E = 3 overflows 32 rows).
 // Awkward sizes: nk = K / 64 below the ring depth (down with I = 64: one k slice), one tile per expert, persistent
 // blocks over many tiles (the real shape). Skips where the kernels do not run (not an sm_90 GPU with the sm_90a image).
 TEST(CudaKernels, MoeExpertsPaddedTma) {
@@ -615,7 +623,10 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     const size_t rows = size_t(E) * M + idx.size();
     Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(rows * H), act(rows * I), act2(rows * I);
     Dev<bf16> act3(rows * I), act4(rows * I), act5(rows * I), act6(rows * I), act7(rows * I), act8(rows * I);
-    Dev<bf16> act_lt(rows * I), act9(rows * I), act10(rows * I), act11(rows * I);
+    Dev<bf16> act_lt(rows * I), act9(rows * I), act10(rows * I), act11(rows * I), act12(rows * I), act13(rows * I);
+    const auto host_masks = expert_masks_of(idx, T, E, k);
+    Dev<unsigned> dmasks(host_masks.size());
+    dmasks.put(host_masks);
     Dev<unsigned> tile_ctr(2);
     CUDA_CHECK(cudaMemset(tile_ctr.p, 0, 2 * sizeof(unsigned)));
     Dev<int32_t> didx(idx.size()), ovf(size_t(E) + 1), spos(idx.size()), meta(2 * size_t(E) + 1);
@@ -653,6 +664,9 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
                                     {.grid = 7, .stages = 5, .tile_counters = tile_ctr.p});
     moe_gate_up_padded_tma_gathered(wgu, dx.p, slot.p, valid, E, H, I, act11.p, nullptr,
                                     {.grid = 1000, .stages = 3, .tile_counters = tile_ctr.p});
+    // each expert's tokens from the router's masks instead of the assignment (slot_token, row counts)
+    moe_gate_up_padded_tma_masked(wgu, dx.p, dmasks.p, T, E, H, I, act12.p, nullptr, {.tile_counters = tile_ctr.p});
+    moe_gate_up_padded_tma_masked(wgu, dx.p, dmasks.p, T, E, H, I, act13.p, nullptr, {.grid = 7, .stages = 5});
     moe_down_padded_tma(wdn, am, valid, E, H, I, y7.p, nullptr, {.grid = 1000, .stages = 3});
     set_pdl(false);
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act4.p, nullptr);
@@ -664,7 +678,7 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     gemm.linear_batched(act.p, Dt::BF16, M, ddn.p, Dt::BF16, H, I, y_lt.p, Dt::F32, E, nullptr);
     const auto a1 = act.get(), a2 = act2.get(), a3 = act3.get(), a4 = act4.get(), a5 = act5.get();
     const auto a6 = act6.get(), a7 = act7.get(), a8 = act8.get(), a9 = act9.get(), a10 = act10.get();
-    const auto a11 = act11.get();
+    const auto a11 = act11.get(), a12 = act12.get(), a13 = act13.get();
     const auto ctr_after = tile_ctr.get();
     const auto y1 = y.get(), yb = y2.get(), yc = y3.get(), yd = y4.get(), ye = y5.get();
     const auto yf = y6.get(), yg = y7.get();
@@ -743,6 +757,8 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     EXPECT_TRUE(same(a1, a9)) << "gate_up from x, tiles from the counter, " << what;
     EXPECT_TRUE(same(a1, a10)) << "gate_up from x, tiles from the counter, 7 blocks, " << what;
     EXPECT_TRUE(same(a1, a11)) << "gate_up from x, tiles from the counter, grid past the tiles, " << what;
+    EXPECT_TRUE(same(a1, a12)) << "gate_up from x, tokens from the expert masks, tiles from the counter, " << what;
+    EXPECT_TRUE(same(a1, a13)) << "gate_up from x, tokens from the expert masks, 7 blocks, " << what;
     EXPECT_EQ(ctr_after_default, (std::vector<unsigned>{0u, 0u})) << "tile counters not left zeroed, " << what;
     EXPECT_EQ(ctr_after, (std::vector<unsigned>{0u, 0u})) << "tile counters not left zeroed, " << what;
     EXPECT_TRUE(same(y1, yb)) << "down: 5 SMs vs all, " << what;
@@ -833,6 +849,22 @@ TEST(CudaKernels, MoeExpertsPaddedTmaLatePredecessor) {
       const auto a = act.get();
       EXPECT_EQ(std::memcmp(a.data(), act_ref.data(), a.size() * sizeof(bf16)), 0)
           << "gathered gate_up after a late predecessor: delay " << delay_us << " us, E " << E;
+    }
+    // gate_up reading each expert's tokens from the masks: the late predecessor writes x and the masks
+    const auto host_masks = expert_masks_of(idx, T, E, k);
+    Dev<unsigned> masks_src(host_masks.size()), masks(host_masks.size());
+    masks_src.put(host_masks);
+    for (int delay_us : {3000, 30, 0}) {
+      CUDA_CHECK(cudaMemsetAsync(xg.p, 0xff, x.size() * sizeof(bf16), st));
+      CUDA_CHECK(cudaMemsetAsync(masks.p, 0xff, masks.n * sizeof(unsigned), st));
+      CUDA_CHECK(cudaMemsetAsync(act.p, 0xff, rows * I * sizeof(bf16), st));
+      delayed_copy_for_test(dx.p, xg.p, x.size() * sizeof(bf16), masks_src.p, masks.p, masks.n * sizeof(unsigned),
+                            delay_us, st);
+      moe_gate_up_padded_tma_masked(wgu, xg.p, masks.p, T, E, H, I, act.p, st);
+      CUDA_CHECK(cudaStreamSynchronize(st));
+      const auto a = act.get();
+      EXPECT_EQ(std::memcmp(a.data(), act_ref.data(), a.size() * sizeof(bf16)), 0)
+          << "gate_up from the masks after a late predecessor: delay " << delay_us << " us, E " << E;
     }
     CUDA_CHECK(cudaStreamDestroy(st));
   }

@@ -136,7 +136,7 @@ int run_bench(const BenchArgs& args) {
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = opt.dense_mlp_sms;
   out["pdl"] = !args.no_pdl;
-  out["router"] = opt.fused_router ? "router_top_k_assign (two launches)" : "cuBLASLt f32 GEMM + top-k + assign";
+  out["router"] = opt.fused_router ? "router_top_k (two launches, expert masks)" : "cuBLASLt f32 GEMM + top-k + assign";
   out["experts"] = args.grouped_experts ? "grouped kernels"
                    : args.cublas_experts ? "padded strided-batched cuBLASLt"
                    : args.tma_experts_down ? "padded: TMA + wgmma gate_up + down (PDL) where supported"

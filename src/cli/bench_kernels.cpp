@@ -188,18 +188,18 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
   float* pes = ar.f32s(E, 0.25f, 1.0f);
   float* rl = ar.take<float>(size_t(T) * E);
   float* partial = ar.take<float>(cuda::router_partial_floats(T, H));
-  unsigned* counters = ar.take<unsigned>(cuda::kRouterCounterSlots + 2);
-  CUDA_CHECK(cudaMemset(counters, 0, (cuda::kRouterCounterSlots + 2) * sizeof(unsigned)));
+  unsigned* tiles = ar.take<unsigned>(2);  // gate_up's tile counters
+  CUDA_CHECK(cudaMemset(tiles, 0, 2 * sizeof(unsigned)));
+  unsigned* masks = ar.take<unsigned>(cuda::expert_mask_words(T, E));
   int32_t* idx = ar.take<int32_t>(size_t(T) * K);
   float* wk = ar.take<float>(size_t(T) * K);
   const size_t rows_all = size_t(E) * M + size_t(T) * K;
   int32_t *ovf = ar.take<int32_t>(size_t(E) + 1), *spos = ar.take<int32_t>(size_t(T) * K);
   int32_t *meta = ar.take<int32_t>(2 * size_t(E) + 1), *slot = ar.take<int32_t>(size_t(E) * M);
   const double router_bytes = double(T) * H * 4 + double(E) * H * 4;
-  add("router_top_k_assign (engine)", tH + " . " + std::to_string(E) + "x" + std::to_string(H) + "^T f32, top " +
-      std::to_string(K) + ", assign M " + std::to_string(M), router_bytes, 2.0 * T * H * E, [=](cudaStream_t st) {
-        cuda::router_top_k_assign(xr, T, H, router_w, E, K, pes, M, partial, counters, rl, idx, wk, ovf, spos, meta,
-                                  slot, st);
+  add("router_top_k (engine)", tH + " . " + std::to_string(E) + "x" + std::to_string(H) + "^T f32, top " +
+      std::to_string(K) + ", expert masks", router_bytes, 2.0 * T * H * E, [=](cudaStream_t st) {
+        cuda::router_top_k(xr, T, H, router_w, E, K, pes, partial, rl, idx, wk, masks, st);
       });
   add("router via cuBLASLt (--cublas-router)", "f32 GEMM + route_top_k + moe_assign_padded", router_bytes,
       2.0 * T * H * E, [=, &gemm](cudaStream_t st) {
@@ -212,8 +212,8 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
   add("moe_assign_padded", std::to_string(T * K) + " pairs, M " + std::to_string(M), double(T) * K * 12, 0,
       [=](cudaStream_t st) { cuda::moe_assign_padded(idx, T, K, E, M, ovf, spos, meta, slot, st); });
   // the routing every entry below runs on (and a realistic one: top-8 of random logits)
-  cuda::router_top_k_assign(xr, T, H, router_w, E, K, pes, M, partial, counters, rl, idx, wk, ovf, spos, meta, slot,
-                            s);
+  cuda::router_top_k(xr, T, H, router_w, E, K, pes, partial, rl, idx, wk, masks, s);
+  cuda::moe_assign_padded(idx, T, K, E, M, ovf, spos, meta, slot, s);
   bf16* xs = ar.take<bf16>(rows_all * H);
   add("moe_gather", std::to_string(T * K) + " rows of " + std::to_string(H), double(T) * K * H * 4, 0,
       [=](cudaStream_t st) { cuda::moe_gather(spos, T, K, xe, H, xs, st); });
@@ -232,11 +232,13 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
     const cuda::TmaMap wdn_map = cuda::tma_map_bf16_rows(wdn, int64_t(E) * H, Ie, 64);
     const cuda::TmaMap act_map = cuda::tma_map_bf16_rows(acte, int64_t(E) * M, Ie, M);
     const int32_t* valid = meta + 1 + E;
-    unsigned* tiles = counters + cuda::kRouterCounterSlots;
-    add("gate_up TMA, rows from x, tile counter (engine)", pad + ", " + std::to_string(2 * Ie) + "x" +
+    add("gate_up TMA, tokens from the masks, tile counter (engine)", pad + ", " + std::to_string(2 * Ie) + "x" +
         std::to_string(H), gu_bytes, gu_flops, [=](cudaStream_t st) {
-          cuda::moe_gate_up_padded_tma_gathered(wgu_map, xe, slot, valid, E, H, Ie, acte, st, {.tile_counters = tiles});
+          cuda::moe_gate_up_padded_tma_masked(wgu_map, xe, masks, T, E, H, Ie, acte, st, {.tile_counters = tiles});
         });
+    add("gate_up TMA, rows from x by slot_token, tile counter", pad, gu_bytes, gu_flops, [=](cudaStream_t st) {
+      cuda::moe_gate_up_padded_tma_gathered(wgu_map, xe, slot, valid, E, H, Ie, acte, st, {.tile_counters = tiles});
+    });
     add("gate_up TMA, rows from x, fixed stride", pad, gu_bytes, gu_flops, [=](cudaStream_t st) {
       cuda::moe_gate_up_padded_tma_gathered(wgu_map, xe, slot, valid, E, H, Ie, acte, st);
     });

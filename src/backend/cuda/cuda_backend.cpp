@@ -50,8 +50,8 @@ struct Scratch {
   bf16 *x, *x1, *xe, *qkv, *q, *kn, *vn, *att, *a, *gu, *actd, *m1, *xs, *acte, *probs;
   int32_t *idx, *offsets, *sorted_pos, *moe_meta;
   int32_t* slot_token;  // [E M]: the token in each padded expert slot (moe_assign_padded), for the gathered gate_up
-  float* router_partial;      // router_top_k_assign's split partials (canvas-sized passes)
-  unsigned* router_counters;  // its arrival counters: zeroed once, left zeroed by every call
+  float* router_partial;      // router_top_k's split partials (canvas-sized passes)
+  unsigned* expert_masks;      // router_top_k's token bit masks of each expert
   unsigned* expert_tile_counters;  // the gathered gate_up's tile counters (CudaOptions::dynamic_expert_tiles), the same
   cuda::DeviceRowStats* stats;
   void* row_stats_scratch;     // softcap_row_stats partials
@@ -328,7 +328,6 @@ class CudaBackend final : public Backend {
            double(need) / (1 << 30), opt.max_context, double(free_b) / (1 << 30), double(total_b) / (1 << 30));
     CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
     layout(arena_);
-    CUDA_CHECK(cudaMemset(s_.router_counters, 0, cuda::kRouterCounterSlots * sizeof(unsigned)));
     CUDA_CHECK(cudaMemset(s_.expert_tile_counters, 0, 2 * sizeof(unsigned)));
     {
       const int H = cfg_.hidden_size, Ie = cfg_.moe_intermediate_size, E = cfg_.num_experts;
@@ -715,12 +714,15 @@ class CudaBackend final : public Backend {
     // overflow GEMMs' stream.
     const bool tma = padded && use_tma_experts_ && M == cuda::moe_padded_rows_per_expert(cfg_.canvas_length, K, E);
     const bool gathered = tma && opt_.tma_gather_rows;
-    // CudaOptions::fused_router: the router GEMM, top-k and the padded assignment in two launches.
+    // CudaOptions::fused_router: the router GEMM and top-k in two launches, which also leave each expert's tokens as
+    // a bit mask. With the gathered TMA gate_up, that kernel then reads its experts' tokens from the masks ("masked"),
+    // and the assignment (for the combine, the overflow rows) runs beside it on the side stream instead of between the
+    // router and the experts. The TMA down kernel reads the assignment's row counts, so it keeps the assignment first.
     const bool fused_router = padded && opt_.fused_router && cuda::router_fused_supported(E, H, K);
+    const bool masked = fused_router && gathered && T <= 1024 && !opt_.tma_experts_down;
     if (fused_router) {
-      cuda::router_top_k_assign(s_.xr, T, H, L.router_w, E, K, L.pes, M, s_.router_partial, s_.router_counters, s_.rl,
-                                s_.idx, s_.wk, s_.offsets, s_.sorted_pos, s_.moe_meta,
-                                gathered ? s_.slot_token : nullptr, stream_);
+      cuda::router_top_k(s_.xr, T, H, L.router_w, E, K, L.pes, s_.router_partial, s_.rl, s_.idx, s_.wk,
+                         s_.expert_masks, stream_);
     } else {
       gemm_->linear(s_.xr, Dt::F32, T, L.router_w, Dt::F32, E, H, s_.rl, Dt::F32, stream_);
       cuda::route_top_k(s_.rl, T, E, K, L.pes, s_.idx, s_.wk, stream_);
@@ -736,10 +738,13 @@ class CudaBackend final : public Backend {
       trace_->experts.push_back(std::move(idx));
     }
     if (padded) {
-      if (fused_router) {  // assigned already; the rows are gathered only for a gate_up that reads a copy
-        if (!gathered) cuda::moe_gather(s_.sorted_pos, T, K, s_.xe, H, s_.xs, stream_);
+      auto assign = [&](cudaStream_t st) {
+        cuda::moe_assign_padded(s_.idx, T, K, E, M, s_.offsets, s_.sorted_pos, s_.moe_meta, s_.slot_token, st);
+      };
+      if (masked) {
+        if (!overlap) assign(stream_);  // else on the side stream, below
       } else if (gathered) {
-        cuda::moe_assign_padded(s_.idx, T, K, E, M, s_.offsets, s_.sorted_pos, s_.moe_meta, s_.slot_token, stream_);
+        assign(stream_);
       } else {
         cuda::moe_group_padded(s_.idx, T, K, E, s_.xe, H, M, s_.offsets, s_.sorted_pos, s_.xs, stream_, s_.moe_meta);
       }
@@ -757,14 +762,15 @@ class CudaBackend final : public Backend {
       if (overlap) {
         CUDA_CHECK(cudaEventRecord(grouped_, stream_));
         CUDA_CHECK(cudaStreamWaitEvent(side_, grouped_));
+        if (masked) assign(side_);
         overflow_gate_up(side_);
         overflow_down(side_);
       }
       // gate/up in f32 (in registers on the TMA path, else in y, free until the down GEMM): one bf16 rounding, of the
       // activation, as the grouped kernels.
       // TMA path: both kernels are PDL-launched and stream weights before their griddepcontrol.wait. gate_up's
-      // predecessor on stream_ is the gather or the assignment (the event record between them only adds the side
-      // stream's edge); down's is gate_up (or the overflow gate_up without overlap), and its wait is for that
+      // predecessor on stream_ is the router (masked), the gather or the assignment (the event record between them
+      // only adds the side stream's edge); down's is gate_up (or the overflow gate_up without overlap), and its wait is for that
       // kernel's completion, which follows gate_up's. The overflow kernels touch only rows past E M, which the maps
       // do not cover.
       const cuda::TmaExpertsPlan plan{.sms = overlap ? opt_.expert_sms : 0,
@@ -773,7 +779,10 @@ class CudaBackend final : public Backend {
                                       .l2_prefetch_slices = opt_.tma_experts_l2_prefetch,
                                       .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr};
       const int* valid_rows = s_.moe_meta + 1 + E;  // rows of each expert's padded block
-      if (gathered) {
+      if (masked) {
+        cuda::moe_gate_up_padded_tma_masked(L.exp_gu_map, s_.xe, s_.expert_masks, T, E, H, Ie, s_.acte, stream_,
+                                            plan);
+      } else if (gathered) {
         cuda::moe_gate_up_padded_tma_gathered(L.exp_gu_map, s_.xe, s_.slot_token, valid_rows, E, H, Ie, s_.acte,
                                               stream_, plan);
       } else if (tma) {
@@ -833,7 +842,7 @@ class CudaBackend final : public Backend {
     s_.xr = ar.take<float>(Tm * H);
     s_.rl = ar.take<float>(Tm * E);
     s_.router_partial = ar.take<float>(cuda::router_partial_floats(int(Lc), int(H)));
-    s_.router_counters = ar.take<unsigned>(cuda::kRouterCounterSlots);
+    s_.expert_masks = ar.take<unsigned>(cuda::expert_mask_words(int(Lc), int(E)));
     s_.expert_tile_counters = ar.take<unsigned>(2);
     s_.wk = ar.take<float>(Tm * K);
     // expert rows: T k grouped, or E M padded + Lc k overflow for canvas-sized passes (moe_group_padded)

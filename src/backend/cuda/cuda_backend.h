@@ -63,12 +63,12 @@ struct CudaOptions {
   // nodes), so that the dense MLP's blocks are placed before the gate_up blocks still waiting for an SM, and its
   // second GEMM need not wait for gate_up's blocks to exit. A/B: bench --dense-mlp-priority.
   bool dense_mlp_priority = false;
-  // Canvas-sized passes with padded experts route in two launches (router_top_k_assign: the f32 router GEMM's split
-  // partials, then top-k and the padded assignment, in token order) instead of cuBLASLt's split-K GEMM + its reduce +
-  // route_top_k + moe_assign. Alone it is slower (its blocks take the SMs before the dense MLP's GEMM, which then
-  // overlaps gate_up); with dynamic_expert_tiles and dense_mlp_sms 66 the 4K step is 17.41-17.57 ms against
-  // 17.61-17.63 (H200, docs/BENCHMARKS.md session 6), and a commit 16.5 against 17.0 ms. A/B: bench
-  // --cublas-router. (A one-launch version measured 41-43 us a layer in session 4.)
+  // Canvas-sized passes with padded experts route in two launches of our own (router_top_k: the f32 router GEMM's
+  // split partials, then top-k, which also leaves each expert's tokens as a bit mask) instead of cuBLASLt's split-K
+  // GEMM + its reduce + route_top_k; with the gathered TMA gate_up, that kernel reads the masks and the assignment
+  // runs beside it. A/B: bench --cublas-router. History in docs/BENCHMARKS.md (session 6): with the assignment still
+  // in the router's last block, alone slower, with dynamic_expert_tiles and dense_mlp_sms 66 the 4K step 17.41-17.57
+  // against 17.61-17.63 ms and a commit 16.5 against 17.0 ms.
   bool fused_router = true;
   // Canvas-sized padded passes with 32 rows per expert (the real model: 256 tokens, top 8 of 128) on Hopper (sm_90a
   // image): gate_up on our TMA + wgmma kernel (kernels_experts_tma.cu) instead of cuBLASLt, with the GELU-tanh * up in

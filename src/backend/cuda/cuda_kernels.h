@@ -132,19 +132,15 @@ void set_attention_splits(int n);
 // times per_expert_scale. idx/w: [T, k].
 void route_top_k(const float* logits, int T, int E, int k, const float* per_expert_scale, int32_t* idx, float* w,
                  cudaStream_t s);
-// The router of a canvas-sized pass in two launches, replacing the f32 GEMM + its split-K reduce + route_top_k +
-// moe_assign_padded: logits [T, E] = x [T, H] . W [E, H]^T in f32 (split over H; the splits added in split order),
-// route_top_k's rules on them (idx, w), then moe_assign_padded's assignment (ovf_offsets, sorted_pos, meta and, when
-// not null, slot_token) for padding M. The gather, where one is needed, is moe_gather. partial:
-// router_partial_floats(T, H) floats; counters: kRouterCounterSlots zeroed unsigneds, left zeroed (two concurrent
-// calls must not share them). Deterministic: fixed summation orders, and the assignment below.
+// The router of a canvas-sized pass in two launches, in place of the f32 GEMM + its split-K reduce + route_top_k:
+// logits [T, E] = x [T, H] . W [E, H]^T in f32 (split over H; the splits added in a fixed order), route_top_k's rules
+// on them (idx, w), and expert_masks [E][ceil(T / 32)]: bit t % 32 of word e ceil(T / 32) + t / 32 set iff token t
+// chose expert e (the whole array is rewritten). partial: router_partial_floats(T, H) floats. Deterministic.
 size_t router_partial_floats(int T, int H);
-constexpr size_t kRouterCounterSlots = 1;  // router_route_k's arrival counter
+size_t expert_mask_words(int T, int E);
 bool router_fused_supported(int E, int H, int k);
-void router_top_k_assign(const float* x, int T, int H, const float* W, int E, int k, const float* per_expert_scale,
-                         int M, float* partial, unsigned* counters, float* logits, int32_t* idx, float* w,
-                         int32_t* ovf_offsets, int32_t* sorted_pos, int32_t* meta, int32_t* slot_token,
-                         cudaStream_t s);
+void router_top_k(const float* x, int T, int H, const float* W, int E, int k, const float* per_expert_scale,
+                  float* partial, float* logits, int32_t* idx, float* w, unsigned* expert_masks, cudaStream_t s);
 // xs[sorted_pos[pair]] = x[token of pair] for the T k pairs (moe_group_padded's second half); min_row > 0 copies
 // only the pairs with sorted_pos >= min_row (E M: the overflow rows, when the padded rows are read straight from x).
 void moe_gather(const int32_t* sorted_pos, int T, int k, const bf16* x, int H, bf16* xs, cudaStream_t s,
@@ -228,6 +224,12 @@ void moe_gate_up_padded_tma(const TmaMap& w, const TmaMap& xs, const int32_t* ro
 // the experts.
 void moe_gate_up_padded_tma_gathered(const TmaMap& w, const bf16* x, const int32_t* slot_token, const int32_t* rows,
                                      int E, int H, int I, bf16* act, cudaStream_t s, const TmaExpertsPlan& plan = {});
+// The same with each expert's tokens read from router_top_k's expert_masks of T tokens (T <= 1024): slot t of
+// expert e holds its t-th token in ascending order, the slots moe_assign_padded gives (so act's rows match the
+// sorted_pos that the combine and the down GEMM's consumers use), for t < min(tokens of e, 32). Needs no assignment
+// kernel before it: the assignment can run beside it.
+void moe_gate_up_padded_tma_masked(const TmaMap& w, const bf16* x, const unsigned* expert_masks, int T, int E, int H,
+                                   int I, bf16* act, cudaStream_t s, const TmaExpertsPlan& plan = {});
 void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
                          cudaStream_t s, const TmaExpertsPlan& plan = {});
 // Test support (kernels_experts_tma.cu): a PDL-launched kernel that triggers its dependents at once, sleeps

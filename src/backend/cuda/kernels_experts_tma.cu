@@ -59,8 +59,9 @@ constexpr int kThreads = 160;
 // one block per SM of 8 stages (160 KB: no second block fits, so a grid of n blocks stays on n SMs) when it leaves
 // SMs to a concurrent stream.
 constexpr int kStagesShared = 4, kStagesShared3 = 3, kStagesShared5 = 5, kStagesOwn = 8;
-// alignment slack, the ring, its full and empty barriers (8 bytes each), and a tile slot per stage (GATHER)
-constexpr int smem_bytes(int stages) { return 1024 + stages * kStageBytes + stages * 16 + stages * 4; }
+// alignment slack, the ring, its full and empty barriers (8 bytes each), and a tile slot per stage (GATHER: the
+// tile and its row count)
+constexpr int smem_bytes(int stages) { return 1024 + stages * kStageBytes + stages * 16 + stages * 8; }
 static_assert(kStageBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte alignment");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -91,21 +92,26 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // fence.proxy.async so that the tensor cores see them), one stage behind its last issue, as attention_ws_k's producer
 // does. The full barrier then counts 1 + 32 arrivals: the weight boxes' expect_tx, and the 32 lanes. This removes the
 // gather kernel (and its launch) from the critical path between the router and the experts.
-// With GATHER the producer also picks the tiles and names each one to the consumers in a per-stage slot of shared
-// memory (written before the arrival on the tile's first stage; -1 in one extra stage ends the block): a block's
-// first tile is blockIdx.x, as without GATHER, and the next ones come either by the fixed stride (tile_ctr null) or,
+// With GATHER the producer also picks the tiles and names each one, with its expert's row count, to the consumers in
+// a per-stage slot of shared memory (written before the producer's arrivals on the tile's first stage; tile -1 in one
+// extra stage ends the block): a block's first tile is blockIdx.x, as without GATHER, and the next ones come either
+// by the fixed stride (tile_ctr null) or,
 // with tile_ctr (two zeroed unsigneds: the next tile past the grid's first round, and the blocks done), from an
 // atomic counter, so that blocks which start late (their SMs held by the dense MLP's GEMMs on the other stream) take
 // fewer tiles instead of finishing late. The last block to finish zeroes tile_ctr again. Tiles of experts without
 // rows are skipped either way (after the first). Each tile is still computed by one block in the fixed k order, so
 // results do not depend on which block takes it.
+// With GATHER and masks (router_top_k's expert_masks, mask_words = ceil(T / 32) <= 32 words an expert): an expert's
+// tokens are the set bits of its mask in ascending order (the token order moe_assign_padded's slots have), its row
+// count their number capped at 32; rows and slot_token are not read. The producer lanes hold one mask word each and
+// find their slot's token with a prefix count, so no assignment kernel stands between the router and gate_up.
 
 template <bool GATED, int kStages, bool GATHER = false>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
                   int l2_prefetch_slices, const bf16* __restrict__ xg, const int32_t* __restrict__ slot_token,
-                  unsigned* tile_ctr) {
+                  unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
 #if defined(DG_EXPERTS_TMA)
   const int rows_per_expert = GATED ? 2 * I : H, tiles_n = GATED ? I / 64 : H / 128, K = GATED ? H : I;
@@ -156,6 +162,39 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t it = 0, pend = 0;
     bool have_pend = false;
     const int swz = (ln & 7) * 16;  // 128-byte swizzle: 16-byte chunk c of row ln sits at chunk c ^ (ln & 7)
+    // Expert e's rows (uncapped with masks: only > 0 matters to the caller) and, for lane ln, its slot ln's token
+    // (-1 past the count or the 32 slots).
+    auto expert_rows = [&](int e) {
+      if (!masks) return __ldcg(rows + e);
+      const unsigned word = ln < mask_words ? __ldcg(masks + size_t(e) * mask_words + ln) : 0u;
+      return __popc(__ballot_sync(0xffffffffu, word != 0u));  // > 0 iff any token
+    };
+    auto slot_token_of = [&](int e, int& cnt) {
+      if (!masks) {
+        cnt = __ldcg(rows + e);
+        return ln < cnt ? __ldcg(slot_token + e * kTok + ln) : -1;
+      }
+      const unsigned word = ln < mask_words ? __ldcg(masks + size_t(e) * mask_words + ln) : 0u;
+      const int pc = __popc(word);
+      int incl = pc;  // inclusive prefix of the set bits over the lanes' words
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (ln >= o) incl += v;
+      }
+      cnt = min(__shfl_sync(0xffffffffu, incl, 31), kTok);
+      int tok = -1;
+      for (int w = 0; w < mask_words; ++w) {  // the word that holds set bit number ln, then the bit
+        unsigned bits = __shfl_sync(0xffffffffu, word, w);
+        const int before = __shfl_sync(0xffffffffu, incl - pc, w);
+        const int r = ln - before;
+        if (ln < cnt && r >= 0 && r < __popc(bits)) {
+          for (int i = 0; i < r; ++i) bits &= bits - 1u;
+          tok = w * 32 + __ffs(int(bits)) - 1;
+        }
+      }
+      return tok;
+    };
     // The tile after `tile` with rows (n_tiles: none left), by the stride or from the counter.
     auto next_tile = [&](int tile) {
       for (;;) {
@@ -167,25 +206,26 @@ __global__ void __launch_bounds__(kThreads, 1)
           tile += int(gridDim.x);
         }
         if (tile >= n_tiles) return n_tiles;
-        if (__ldcg(rows + tile / tiles_n) > 0) return tile;
+        if (expert_rows(tile / tiles_n) > 0) return tile;
       }
     };
     for (int tile = first < n_tiles ? first : next_tile(first); tile < n_tiles; tile = next_tile(tile)) {
       const int e = tile / tiles_n;
-      const int cnt = __ldcg(rows + e);
+      int cnt = 0;
+      const int tok = slot_token_of(e, cnt);
       int row_a, row_b;
       weight_rows(tile, row_a, row_b);
-      const int tok = ln < cnt ? __ldcg(slot_token + e * kTok + ln) : -1;
       const bf16* src = xg + (tok >= 0 ? size_t(tok) * size_t(H) : 0);
       for (int kt = 0; kt < nk; ++kt, ++it) {
         const int s = int(it % kStages);
         const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
         if (!(tile == first && kt < npre)) {  // else: stage kt of the fresh ring, its weights already requested
           mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
-          if (leader) {
-            if (kt == 0) st_shared_s32(slot0 + 4 * s, tile);  // before the arrive that publishes the stage
-            issue_weights(st, full, kt, row_a, row_b, kWBytes, evict_first);
-          }
+          if (leader) issue_weights(st, full, kt, row_a, row_b, kWBytes, evict_first);
+        }
+        if (leader && kt == 0) {  // before the leader's lane arrival, which every phase of the stage waits for
+          st_shared_s32(slot0 + 8 * s, tile);
+          st_shared_s32(slot0 + 8 * s + 4, cnt);
         }
         const uint32_t xrow = st + 2 * kWBoxBytes + uint32_t(ln) * 128u;
         const bf16* srow = src + size_t(kt) * kBK;
@@ -214,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int s = int(it % kStages);
     mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
     if (leader) {
-      st_shared_s32(slot0 + 4 * s, -1);
+      st_shared_s32(slot0 + 8 * s, -1);
       mbar_arrive(full0 + 8 * s);
     }
     __syncwarp();
@@ -317,37 +357,32 @@ __global__ void __launch_bounds__(kThreads, 1)
   // while its predecessor was still writing them.)
   pdl_wait();
   uint32_t it = 0;
-  // GATHER: the first tile is blockIdx.x (when there is one), every later one is named by the producer in the slot
-  // of its first stage; -1 ends. Else the fixed stride, skipping experts without rows after the first tile.
+  // GATHER: every tile, and its row count, is named by the producer in the slot of its first stage (the first one is
+  // blockIdx.x when there is one); -1 ends. Else the fixed stride, skipping experts without rows after the first tile.
   int tile = first < n_tiles ? first : n_tiles;
-  bool slot_read = false;  // this tile's first stage waited for already (its slot named the tile)
-  if constexpr (GATHER) {
-    if (first >= n_tiles) tile = -1;
-  }
   for (;;) {
+    int cnt;
     if constexpr (GATHER) {
-      if (tile < 0) {
-        const int s = int(it % kStages);
-        mbar_wait(full0 + 8 * s, (it / kStages) & 1u);
-        tile = ld_shared_s32(slot0 + 4 * s);
-        if (tile < 0) break;
-        slot_read = true;
-      }
+      const int s = int(it % kStages);
+      mbar_wait(full0 + 8 * s, (it / kStages) & 1u);
+      tile = ld_shared_s32(slot0 + 8 * s);
+      if (tile < 0) break;
+      cnt = ld_shared_s32(slot0 + 8 * s + 4);
     } else {
       if (tile >= n_tiles) break;
+      cnt = __ldcg(rows + tile / tiles_n);  // .cg: L2, never a stale L1 / non-coherent line of a grid we overlapped
+      if (tile != first && cnt <= 0) {  // the first tile is consumed regardless (its stages were issued)
+        tile += int(gridDim.x);
+        continue;
+      }
     }
     const int e = tile / tiles_n, nt = tile % tiles_n;
-    const int cnt = __ldcg(rows + e);  // .cg: L2, never a stale L1 / non-coherent line of a grid we overlapped
-    if (!GATHER && tile != first && cnt <= 0) {  // the first tile is consumed regardless (its stages were issued)
-      tile += int(gridDim.x);
-      continue;
-    }
     float d0[16], d1[16];  // tile rows 0-63 (gate / first half) and 64-127 (up / second half)
 #pragma unroll
     for (int i = 0; i < 16; ++i) d0[i] = 0.f, d1[i] = 0.f;
     for (int kt = 0; kt < nk; ++kt, ++it) {
       const int s = int(it % kStages);
-      if (!(kt == 0 && slot_read)) mbar_wait(full0 + 8 * s, (it / kStages) & 1u);
+      if (!(GATHER && kt == 0)) mbar_wait(full0 + 8 * s, (it / kStages) & 1u);  // GATHER: waited for above
       __syncwarp();  // wgmma is .sync.aligned
       const uint32_t st = base + uint32_t(s) * kStageBytes;
       const uint64_t da = desc_sw128(st), db = desc_sw128(st + kWBoxBytes), dx = desc_sw128(st + 2 * kWBoxBytes);
@@ -383,12 +418,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             y[row * H + nt * 128 + 64 + r] = d1[idx];
           }
         }
-    slot_read = false;
-    if constexpr (GATHER) {
-      tile = -1;  // the next tile from the slot
-    } else {
-      tile += int(gridDim.x);
-    }
+    if constexpr (!GATHER) tile += int(gridDim.x);
   }
 #endif
 }
@@ -452,7 +482,7 @@ namespace {
 template <bool GATED, bool GATHER>
 void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, int E, int H, int I, bf16* act,
                         float* y, const TmaExpertsPlan& plan, cudaStream_t s, const bf16* xg = nullptr,
-                        const int32_t* slot_token = nullptr) {
+                        const int32_t* slot_token = nullptr, const unsigned* masks = nullptr, int mask_words = 0) {
   const int tiles = E * (GATED ? I / 64 : H / 128);
   if (tiles == 0) return;
   CUtensorMap mw, mx;
@@ -463,7 +493,7 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   // first stages' weights before griddepcontrol.wait (see the kernel).
   auto go = [&](auto kernel, int stages, int grid) {
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
-               act, y, pf, xg, slot_token, GATHER ? plan.tile_counters : nullptr);
+               act, y, pf, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks, mask_words);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;  // blocks that fit an SM's shared memory
@@ -519,6 +549,15 @@ void moe_gate_up_padded_tma_gathered(const TmaMap& w, const bf16* x, const int32
     throw_cuda_error("moe_gate_up_padded_tma_gathered", "x must be 16-byte aligned with H a multiple of 8", 0,
                      __FILE__, __LINE__);
   launch_experts_tma<true, true>(w, w, rows, E, H, I, act, nullptr, plan, s, x, slot_token);
+}
+
+void moe_gate_up_padded_tma_masked(const TmaMap& w, const bf16* x, const unsigned* expert_masks, int T, int E, int H,
+                                   int I, bf16* act, cudaStream_t s, const TmaExpertsPlan& plan) {
+  if ((reinterpret_cast<uintptr_t>(x) & 15) != 0 || H % 8 != 0 || T < 1 || T > 32 * 32)
+    throw_cuda_error("moe_gate_up_padded_tma_masked", "x must be 16-byte aligned, H a multiple of 8, 1 <= T <= 1024",
+                     0, __FILE__, __LINE__);
+  launch_experts_tma<true, true>(w, w, nullptr, E, H, I, act, nullptr, plan, s, x, nullptr, expert_masks,
+                                 (T + 31) / 32);
 }
 
 void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,

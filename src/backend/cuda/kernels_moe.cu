@@ -72,8 +72,9 @@ __global__ void route_top_k_k(const float* logits, int E, int k, const float* pe
 // PL): no shared memory and no block barriers, where route_top_k_k spends two barriers per selected expert. Same
 // rules: float exp, double sum, p = float(e / sum), ties to the lower index. l[j]: the logit of expert eid(j) (any
 // value where eid(j) >= E). eid must be ascending in j within a lane (the lane's first maximum is its lowest id).
+// Returns the expert of slot `lane` (lanes < k).
 template <int PL, class ExpertOf>
-__device__ void warp_top_k(float (&l)[PL], ExpertOf eid, int E, int k, const float* pes, int32_t* idx, float* w) {
+__device__ int warp_top_k(float (&l)[PL], ExpertOf eid, int E, int k, const float* pes, int32_t* idx, float* w) {
   const int lane = threadIdx.x & 31;
   float mx = -INFINITY;
 #pragma unroll
@@ -115,6 +116,7 @@ __device__ void warp_top_k(float (&l)[PL], ExpertOf eid, int E, int k, const flo
     idx[lane] = my_i;
     w[lane] = my_v / total * pes[my_i];
   }
+  return my_i;
 }
 
 constexpr int kPerLane = 8;
@@ -134,8 +136,8 @@ __global__ void route_top_k_warp_k(const float* logits, int T, int E, int k, con
 // Single block: counts, exclusive scan and row assignment. Expert e's first M pairs go to rows e M .. e M + M - 1,
 // the rest ("overflow") to rows from ovf[e] = E M + (overflow of the experts before e); ovf[E] = end of the overflow
 // rows. M = 0 is the plain grouping: ovf is then the exclusive prefix of the counts (moe_group's offsets).
-// meta (M > 0, may be null): see moe_group_padded. idx is read through L2 (__ldcg): router_route_k's last block
-// assigns pairs that other blocks of the same launch wrote.
+// meta (M > 0, may be null): see moe_group_padded. idx is read through L2 (__ldcg): it may come from a grid that the
+// PDL-launched assignment overlapped.
 //
 // Two ways to number an expert's pairs (its slots):
 // - ordered (mask != null): slot = the number of earlier TOKENS routed to the expert, from a bit mask of its tokens
@@ -229,9 +231,8 @@ size_t assign_smem_bytes(int T, int k, int E, bool ordered, bool staged) {
   return size_t(E) * sizeof(int) + (ordered ? size_t(E) * size_t((T + 31) / 32) * sizeof(unsigned) : 0) +
          (staged ? size_t(T) * size_t(k) * sizeof(int) : 0);
 }
-// Dynamic shared memory for assign_pairs, within the 48 KB a launch gets without the opt-in attribute: moe_assign_k
-// has no other, router_route_k has 16 KB of its own.
-constexpr size_t kAssignMaxSmem = 46 * 1024, kRouteAssignMaxSmem = 30 * 1024;
+// Dynamic shared memory for assign_pairs, within the 48 KB a launch gets without the opt-in attribute.
+constexpr size_t kAssignMaxSmem = 46 * 1024;
 // The layout assign_pairs gets: ordered and staged where they fit, ordered alone, else neither.
 struct AssignLayout {
   bool ordered, staged;
@@ -263,34 +264,31 @@ __global__ void moe_assign_k(const int32_t* idx, int T, int k, int E, int M, int
   assign_pairs(idx, T, k, E, M, ovf, sorted_pos, meta, sm.cnt, slot_token, sm.mask, sm.idx);
 }
 
-// ---- the router of canvas-sized passes (router_top_k_assign): two launches instead of four ----
+// ---- the router of canvas-sized passes (router_top_k): two launches ----
 // router_partials_k: the partial logits of kRtTok tokens x all kRtExp experts over one kRtKc-wide k slice of H, f32
 // FMAs in ascending k, written to partial[split][t][0..kRtExp). Every block copies its two tiles into shared memory
 // at once (cp.async, zero-filled past T, E and H) and multiplies them: a single wave of ~350 short blocks at the
-// canvas shape, so the GEMM costs about one global round trip plus ~1000 FMAs a thread. Warp w takes tokens
-// w + 8 i, lane l experts l + 32 j: the token rows are broadcast reads, and the 68-float row stride puts the expert
-// rows of a quarter warp's 16-byte reads in distinct banks.
-// router_route_k: four warps per token add a quarter of the split partials each (in split order), one adds the four
-// sums (in warp order), writes the logits and routes the token (warp_top_k); the last block to finish (an arrival
-// counter) assigns every pair (assign_pairs, ordered and with idx staged in shared memory where they fit) and writes
-// slot_token for the gathered gate_up.
-// Fixed summation orders, so the results do not depend on which block finishes last.
-// History (docs/BENCHMARKS.md): session 4's version (128 blocks of 32 tokens x 128 experts, k split 16 ways and
-// streamed through a double buffer; the assignment by atomics) measured 15.2 + 20.2 us a layer and no faster than
-// cuBLASLt's chain (the 4K step 18.40 vs 18.32 ms), so CudaOptions::fused_router was off. In the session-5 trace
-// cuBLASLt's chain from the pre-FFN norm to the experts is ~40 us a layer (its SIMT split-K GEMM alone 23.5 us).
+// canvas shape. Warp w takes tokens w + 8 i, lane l experts l + 32 j: the token rows are broadcast reads, and the
+// 68-float row stride puts the expert rows of a quarter warp's 16-byte reads in distinct banks. Block (0, 0) also
+// clears the expert masks for the route kernel.
+// router_route_k: four warps per token add a quarter of the split partials each (in split order, all loads of a warp
+// in flight at once), one adds the four sums (in warp order), writes the logits, routes the token (warp_top_k) and
+// sets the token's bit in each chosen expert's mask. No assignment here: gate_up reads each expert's tokens straight
+// from its mask, and moe_assign_padded (token order, so the same rows) runs beside it on the side stream for the
+// combine and the overflow rows.
+// History (docs/BENCHMARKS.md): session 4's version (k split 16 ways through a double buffer; the assignment by the
+// route kernel's last block, with atomics) measured 15.2 + 20.2 us a layer; session 6's first rewrite (this GEMM, the
+// assignment still in the last block, token-ordered) 27.9 us alone (bench-kernels), as cuBLASLt's chain (29.2).
 struct RouterArgs {
   const float* x;
   const float* W;
   const float* pes;
   int T, H, E, k;
   float* partial;
-  unsigned* counters;
   float* logits;
   int32_t* idx;
   float* w;
-  int M;
-  int32_t *ovf, *sorted_pos, *meta, *slot_token;
+  unsigned* masks;  // [E][ceil(T / 32)]
 };
 constexpr int kRtTok = 32, kRtExp = 128, kRtKc = 64, kRtThreads = 256, kRtWarps = kRtThreads / 32;
 constexpr int kRtPad = kRtKc + 4;  // shared row stride (floats): 16-byte aligned, quarter-warp reads conflict-free
@@ -312,6 +310,8 @@ __global__ void __launch_bounds__(kRtThreads) router_partials_k(RouterArgs a) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   const int tid = threadIdx.x, t0 = blockIdx.x * kRtTok, split = blockIdx.y, k0 = split * kRtKc;
+  if (blockIdx.x == 0 && blockIdx.y == 0)  // the route kernel (after this grid completes) sets the bits
+    for (int i = tid; i < a.E * ((a.T + 31) / 32); i += kRtThreads) a.masks[i] = 0u;
   constexpr int kQuads = kRtKc / 4;
   for (int i = tid; i < (kRtTok + kRtExp) * kQuads; i += kRtThreads) {
     const int r = i / kQuads, c = (i % kQuads) * 4;
@@ -354,11 +354,8 @@ __global__ void __launch_bounds__(kRtThreads) router_partials_k(RouterArgs a) {
   }
 }
 
-__global__ void __launch_bounds__(32 * kRouteWarps) router_route_k(RouterArgs a, int splits, bool ordered,
-                                                                    bool staged) {
-  extern __shared__ int route_smem[];  // assign_pairs' AssignLayout (the last block only)
+__global__ void __launch_bounds__(32 * kRouteWarps) router_route_k(RouterArgs a, int splits) {
   __shared__ __align__(16) float psum[kRouteTokens][kRouteWarpsPerToken][kRtExp];
-  __shared__ unsigned arrival;
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -388,31 +385,21 @@ __global__ void __launch_bounds__(32 * kRouteWarps) router_route_k(RouterArgs a,
     reinterpret_cast<float4*>(psum[tl][q])[lane] = sum;
   }
   __syncthreads();
-  if (t < a.T && q == 0) {  // the four sums added in warp order, then the token's top-k
-    float l[4];
+  if (t >= a.T || q != 0) return;
+  float l[4];  // the four sums added in warp order, then the token's top-k
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float x = psum[tl][0][lane * 4 + j];
+  for (int j = 0; j < 4; ++j) {
+    float x = psum[tl][0][lane * 4 + j];
 #pragma unroll
-      for (int w = 1; w < kRouteWarpsPerToken; ++w) x += psum[tl][w][lane * 4 + j];
-      l[j] = x;
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      if (lane * 4 + j < a.E) a.logits[size_t(t) * a.E + lane * 4 + j] = l[j];
-    warp_top_k(l, [lane](int j) { return lane * 4 + j; }, a.E, a.k, a.pes, a.idx + size_t(t) * a.k,
-               a.w + size_t(t) * a.k);
+    for (int w = 1; w < kRouteWarpsPerToken; ++w) x += psum[tl][w][lane * 4 + j];
+    l[j] = x;
   }
-  // the last block to finish assigns every pair
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) arrival = atomicAdd(a.counters, 1u);
-  __syncthreads();
-  if (arrival != gridDim.x - 1) return;
-  __threadfence();
-  if (threadIdx.x == 0) *a.counters = 0;  // every block has arrived: ready for the next launch
-  const AssignSmem sm = assign_smem_of(route_smem, a.T, a.E, ordered, staged);
-  assign_pairs(a.idx, a.T, a.k, a.E, a.M, a.ovf, a.sorted_pos, a.meta, sm.cnt, a.slot_token, sm.mask, sm.idx);
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    if (lane * 4 + j < a.E) a.logits[size_t(t) * a.E + lane * 4 + j] = l[j];
+  const int e = warp_top_k(l, [lane](int j) { return lane * 4 + j; }, a.E, a.k, a.pes, a.idx + size_t(t) * a.k,
+                           a.w + size_t(t) * a.k);
+  if (lane < a.k) atomicOr(a.masks + size_t(e) * ((a.T + 31) / 32) + (t >> 5), 1u << (t & 31));
 }
 
 // act = bf16(gelu_tanh(gate) * up) over the padded rows that hold a pair (slot < valid[e]); gate/up in f32.
@@ -665,23 +652,21 @@ void moe_gather(const int32_t* sorted_pos, int T, int k, const bf16* x, int H, b
 
 size_t router_partial_floats(int T, int H) { return size_t(router_split(T, H).splits) * size_t(T) * kRtExp; }
 
+size_t expert_mask_words(int T, int E) { return size_t(E) * size_t((T + 31) / 32); }
+
 bool router_fused_supported(int E, int H, int k) { return E >= 1 && E <= kRtExp && H % 4 == 0 && k <= 32 && k <= E; }
 
-void router_top_k_assign(const float* x, int T, int H, const float* W, int E, int k, const float* per_expert_scale,
-                         int M, float* partial, unsigned* counters, float* logits, int32_t* idx, float* w,
-                         int32_t* ovf_offsets, int32_t* sorted_pos, int32_t* meta, int32_t* slot_token,
-                         cudaStream_t s) {
+void router_top_k(const float* x, int T, int H, const float* W, int E, int k, const float* per_expert_scale,
+                  float* partial, float* logits, int32_t* idx, float* w, unsigned* expert_masks, cudaStream_t s) {
   if (T == 0) return;
   if (!router_fused_supported(E, H, k))
-    throw_cuda_error("router_top_k_assign", "needs E <= 128, H % 4 == 0 and k <= min(32, E)", 0, __FILE__, __LINE__);
+    throw_cuda_error("router_top_k", "needs E <= 128, H % 4 == 0 and k <= min(32, E)", 0, __FILE__, __LINE__);
   const RouterSplit sp = router_split(T, H);
-  RouterArgs a{x, W, per_expert_scale, T, H, E, k, partial, counters, logits, idx, w, M, ovf_offsets,
-               sorted_pos, meta, M > 0 ? slot_token : nullptr};
+  const RouterArgs a{x, W, per_expert_scale, T, H, E, k, partial, logits, idx, w, expert_masks};
   launch_pdl(router_partials_k, dim3(unsigned(sp.tiles), unsigned(sp.splits)), dim3(kRtThreads), 0, s, a);
   CUDA_CHECK_LAUNCH();
-  const AssignLayout al = assign_layout(T, k, E, kRouteAssignMaxSmem);
-  launch_pdl(router_route_k, dim3(unsigned((T + kRouteTokens - 1) / kRouteTokens)), dim3(32 * kRouteWarps), al.bytes,
-             s, a, sp.splits, al.ordered, al.staged);
+  launch_pdl(router_route_k, dim3(unsigned((T + kRouteTokens - 1) / kRouteTokens)), dim3(32 * kRouteWarps), 0, s, a,
+             sp.splits);
   CUDA_CHECK_LAUNCH();
 }
 
