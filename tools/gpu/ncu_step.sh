@@ -9,7 +9,7 @@
 # clock, which slows the SM side); caches are flushed before each kernel (ncu's default), so L2 hits between kernels
 # (the combine reading the down GEMM's output, for one) are not seen here.
 # Output under $OUT: ncu_<i>.csv (raw metrics per launch), ncu_summary.txt (a few metrics per launch), ncu.log.
-# Written without a GPU (session 5): check the first run's ncu.log.
+# First run in session 6 (docs/BENCHMARKS.md): four families with NCU_COUNT=6 took well under a minute.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DIST=${DIST:-build-gpu-dist}
@@ -23,7 +23,7 @@ if [ -z "$NCU" ]; then
 fi
 cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublasLt.so.13*' 2>/dev/null | head -1)
 LIBS="$PWD/$DIST/lib:$(dirname "${cublas:-/nonexistent/x}")"
-KERNELS=${KERNELS:-"experts_tma_k;nvjet_sm90_tss_128x32;attention_ws_k;attention_wgx_k;moe_combine_ffn;route_top_k|moe_assign_k"}
+KERNELS=${KERNELS:-"experts_tma_k;nvjet_sm90_tss_128x32;attention_ws_k|attention_combine_k;attention_wgx_k;router_partials_k|router_route_k|moe_combine_ffn|add_rms_norm_pre_ffn"}
 BENCH=${BENCH:-"bench --contexts 4096 --prefill 256 --fixed-steps 0 --reps 1 --no-graphs"}
 METRICS=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,\
 dram__bytes_write.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
