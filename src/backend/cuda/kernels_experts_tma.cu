@@ -94,13 +94,12 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // gather kernel (and its launch) from the critical path between the router and the experts.
 // With GATHER the producer also picks the tiles and names each one, with its expert's row count, to the consumers in
 // a per-stage slot of shared memory (written before the producer's arrivals on the tile's first stage; tile -1 in one
-// extra stage ends the block): a block's first tile is blockIdx.x, as without GATHER, and the next ones come either
-// by the fixed stride (tile_ctr null) or,
-// with tile_ctr (two zeroed unsigneds: the next tile past the grid's first round, and the blocks done), from an
-// atomic counter, so that blocks which start late (their SMs held by the dense MLP's GEMMs on the other stream) take
-// fewer tiles instead of finishing late. The last block to finish zeroes tile_ctr again. Tiles of experts without
-// rows are skipped either way (after the first). Each tile is still computed by one block in the fixed k order, so
-// results do not depend on which block takes it.
+// extra stage ends the block). A block's first tile is blockIdx.x, as without GATHER; the next ones come by the fixed
+// stride (tile_ctr null) or, with tile_ctr (two zeroed unsigneds: the next tile past the grid's first round, and the
+// blocks done), from an atomic counter, so that blocks which start late (their SMs held by the dense MLP's GEMMs on
+// the other stream) take fewer tiles instead of finishing late. The last block to finish zeroes tile_ctr again.
+// Tiles of experts without rows are skipped either way (after the first). Each tile is still computed by one block
+// in the fixed k order, so results do not depend on which block takes it.
 // With GATHER and masks (router_top_k's expert_masks, mask_words = ceil(T / 32) <= 32 words an expert): an expert's
 // tokens are the set bits of its mask in ascending order (the token order moe_assign_padded's slots have), its row
 // count their number capped at 32; rows and slot_token are not read. The producer lanes hold one mask word each and
