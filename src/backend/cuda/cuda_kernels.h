@@ -141,6 +141,12 @@ size_t expert_mask_words(int T, int E);
 bool router_fused_supported(int E, int H, int k);
 void router_top_k(const float* x, int T, int H, const float* W, int E, int k, const float* per_expert_scale,
                   float* partial, float* logits, int32_t* idx, float* w, unsigned* expert_masks, cudaStream_t s);
+// One of router_top_k's two launches, for timing them apart (bench-kernels): the partial logits, then the route
+// (which reads the partials the first wrote).
+enum class RouterStage { Partials, Route };
+void router_top_k_stage(RouterStage stage, const float* x, int T, int H, const float* W, int E, int k,
+                        const float* per_expert_scale, float* partial, float* logits, int32_t* idx, float* w,
+                        unsigned* expert_masks, cudaStream_t s);
 // xs[sorted_pos[pair]] = x[token of pair] for the T k pairs (moe_group_padded's second half); min_row > 0 copies
 // only the pairs with sorted_pos >= min_row (E M: the overflow rows, when the padded rows are read straight from x).
 void moe_gather(const int32_t* sorted_pos, int T, int k, const bf16* x, int H, bf16* xs, cudaStream_t s,

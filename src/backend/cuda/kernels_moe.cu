@@ -658,15 +658,25 @@ bool router_fused_supported(int E, int H, int k) { return E >= 1 && E <= kRtExp 
 
 void router_top_k(const float* x, int T, int H, const float* W, int E, int k, const float* per_expert_scale,
                   float* partial, float* logits, int32_t* idx, float* w, unsigned* expert_masks, cudaStream_t s) {
+  router_top_k_stage(RouterStage::Partials, x, T, H, W, E, k, per_expert_scale, partial, logits, idx, w, expert_masks,
+                     s);
+  router_top_k_stage(RouterStage::Route, x, T, H, W, E, k, per_expert_scale, partial, logits, idx, w, expert_masks, s);
+}
+
+void router_top_k_stage(RouterStage stage, const float* x, int T, int H, const float* W, int E, int k,
+                        const float* per_expert_scale, float* partial, float* logits, int32_t* idx, float* w,
+                        unsigned* expert_masks, cudaStream_t s) {
   if (T == 0) return;
   if (!router_fused_supported(E, H, k))
     throw_cuda_error("router_top_k", "needs E <= 128, H % 4 == 0 and k <= min(32, E)", 0, __FILE__, __LINE__);
   const RouterSplit sp = router_split(T, H);
   const RouterArgs a{x, W, per_expert_scale, T, H, E, k, partial, logits, idx, w, expert_masks};
-  launch_pdl(router_partials_k, dim3(unsigned(sp.tiles), unsigned(sp.splits)), dim3(kRtThreads), 0, s, a);
-  CUDA_CHECK_LAUNCH();
-  launch_pdl(router_route_k, dim3(unsigned((T + kRouteTokens - 1) / kRouteTokens)), dim3(32 * kRouteWarps), 0, s, a,
-             sp.splits);
+  if (stage == RouterStage::Partials) {
+    launch_pdl(router_partials_k, dim3(unsigned(sp.tiles), unsigned(sp.splits)), dim3(kRtThreads), 0, s, a);
+  } else {
+    launch_pdl(router_route_k, dim3(unsigned((T + kRouteTokens - 1) / kRouteTokens)), dim3(32 * kRouteWarps), 0, s,
+               a, sp.splits);
+  }
   CUDA_CHECK_LAUNCH();
 }
 
