@@ -91,7 +91,7 @@ if [ "${KERNEL_BENCH:-1}" = 1 ]; then
   kb_rc=$?
 fi
 # AB_ARGS: A/B benches after the main one, ';'-separated flag sets, each with AB_COMMON (default: the 4K step and
-# prefill only), e.g. AB_ARGS="--fused-router;--no-overlap" -> bench_ab1.json, bench_ab2.json, in the summary.
+# prefill only), e.g. AB_ARGS="--cublas-router;--no-overlap" -> bench_ab1.json, bench_ab2.json, in the summary.
 ab_i=0
 IFS=';' read -ra ab_sets <<<"${AB_ARGS:-}"
 for ab in "${ab_sets[@]}"; do
