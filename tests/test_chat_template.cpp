@@ -7,6 +7,7 @@
 #include <random>
 #include <sstream>
 
+#include "cli_command.h"
 #include "text/chat_template.h"
 #include "util/error.h"
 
@@ -249,23 +250,16 @@ TEST(ChatTemplateCli, PrintsTheGoldenPromptExactly) {
   const std::string command = std::string(DIFFGEMMA_BINARY) + " chat-template --template " + DIFFGEMMA_FIXTURES_DIR +
                               "/chat/chat_template.jinja --messages " + (dir / "messages.json").string() +
                               " --tools " + (dir / "tools.json").string() + " --thinking";
-  auto run = [](const std::string& cmd, int* status) {
-    std::string output;
-    FILE* pipe = popen(cmd.c_str(), "r");
-    char buffer[4096];
-    for (size_t n; (n = fread(buffer, 1, sizeof buffer, pipe)) > 0;) output.append(buffer, n);
-    *status = pclose(pipe);
-    return output;
-  };
-  int status = 0;
-  EXPECT_EQ(run(command, &status), c.golden["rendered"].get<std::string>());
-  EXPECT_EQ(status, 0);
+  const CommandResult r = run_command(command, /*with_stderr=*/false);
+  EXPECT_EQ(r.output, c.golden["rendered"].get<std::string>());
+  EXPECT_EQ(r.status, 0);
 
   std::ofstream(dir / "other.jinja") << "{{ bos_token }}";
-  run(std::string(DIFFGEMMA_BINARY) + " chat-template --template " + (dir / "other.jinja").string() +
-          " --messages " + (dir / "messages.json").string() + " 2>/dev/null",
-      &status);
-  EXPECT_NE(status, 0) << "a different template must be refused";
+  const CommandResult refused =
+      run_command(std::string(DIFFGEMMA_BINARY) + " chat-template --template " + (dir / "other.jinja").string() +
+                      " --messages " + (dir / "messages.json").string() + " 2>/dev/null",
+                  /*with_stderr=*/false);
+  EXPECT_NE(refused.status, 0) << "a different template must be refused";
   fs::remove_all(dir);
 }
 #endif

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "cli_command.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
 #include "util/xz.h"
@@ -502,20 +503,6 @@ TEST(TokenizerLoad, CorruptXzGivesClearError) {
 // ---- CLI ---------------------------------------------------------------------------------------------------------
 
 #ifdef DIFFGEMMA_BINARY
-struct CommandResult {
-  std::string output;
-  int status;
-};
-
-CommandResult run_command(const std::string& command) {
-  CommandResult result{"", -1};
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  if (!pipe) return result;
-  char buffer[4096];
-  for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0;) result.output.append(buffer, n);
-  result.status = ::pclose(pipe);
-  return result;
-}
 
 std::string tokenizer_arg() {
   return std::string(" --tokenizer '") + (kFixtureDir / "tokenizer.json.xz").string() + "'";

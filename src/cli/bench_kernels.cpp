@@ -77,10 +77,10 @@ struct Entry {
 };
 
 int run_bench_kernels(const BenchKernelsArgs& args) {
-  const cuda::DeviceInfo dev = cuda::query_device(0);
-  if (!dev.available) fail("bench-kernels needs a CUDA GPU: {}", dev.reason);
   if (args.reps < 1) fail("--reps must be >= 1, got {}", args.reps);
   if (args.kv < 1024) fail("--kv must be >= 1024 (the sliding window), got {}", args.kv);
+  const cuda::DeviceInfo dev = cuda::query_device(0);
+  if (!dev.available) fail("bench-kernels needs a CUDA GPU: {}", dev.reason);
   const ModelConfig c = diffusiongemma_26b_a4b_config();
   const int T = c.canvas_length, H = c.hidden_size, E = c.num_experts, K = c.top_k_experts;
   const int Ie = c.moe_intermediate_size, Id = c.intermediate_size, V = c.vocab_size, nh = c.num_heads;
