@@ -518,6 +518,16 @@ std::vector<int32_t> random_routing(int T, int E, int k) {
   return idx;
 }
 
+// The TMA expert kernels' maps: gate_up weights, padded token rows xs, down weights, padded activations act.
+struct TmaExpertMaps {
+  TmaMap wgu, xm, wdn, am;
+};
+TmaExpertMaps tma_expert_maps(const bf16* gu, const bf16* xs, const bf16* dn, const bf16* act, int E, int H, int I,
+                              int M) {
+  return {tma_map_bf16_rows(gu, int64_t(E) * 2 * I, H, 64), tma_map_bf16_rows(xs, int64_t(E) * M, H, M),
+          tma_map_bf16_rows(dn, int64_t(E) * H, I, 64), tma_map_bf16_rows(act, int64_t(E) * M, I, M)};
+}
+
 // router_top_k's expert masks for a routing: bit t % 32 of word e ceil(T / 32) + t / 32 iff token t chose e.
 std::vector<unsigned> expert_masks_of(const std::vector<int32_t>& idx, int T, int E, int k) {
   const int words = (T + 31) / 32;
@@ -638,10 +648,7 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     // moe_group_padded in its two halves, so that the gathered gate_up below sees the same slots as xs
     moe_assign_padded(didx.p, T, k, E, M, ovf.p, spos.p, meta.p, slot.p, nullptr);
     moe_gather(spos.p, T, k, dx.p, H, xs.p, nullptr);
-    const TmaMap wgu = tma_map_bf16_rows(dgu.p, int64_t(E) * 2 * I, H, 64),
-                 xm = tma_map_bf16_rows(xs.p, int64_t(E) * M, H, M);
-    const TmaMap wdn = tma_map_bf16_rows(ddn.p, int64_t(E) * H, I, 64),
-                 am = tma_map_bf16_rows(act.p, int64_t(E) * M, I, M);
+    const auto [wgu, xm, wdn, am] = tma_expert_maps(dgu.p, xs.p, ddn.p, act.p, E, H, I, M);
     const int32_t* valid = meta.p + 1 + E;
     ASSERT_TRUE(pdl_enabled());
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act2.p, nullptr, {.sms = 5});
@@ -800,10 +807,7 @@ TEST(CudaKernels, MoeExpertsPaddedTmaLatePredecessor) {
     dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx);
     moe_assign_padded(didx.p, T, k, E, M, ovf.p, spos.p, meta_src.p, meta_src.p + n_meta, nullptr);
     moe_gather(spos.p, T, k, dx.p, H, xs_src.p, nullptr);
-    const TmaMap wgu = tma_map_bf16_rows(dgu.p, int64_t(E) * 2 * I, H, 64),
-                 xm = tma_map_bf16_rows(xs.p, int64_t(E) * M, H, M);
-    const TmaMap wdn = tma_map_bf16_rows(ddn.p, int64_t(E) * H, I, 64),
-                 am = tma_map_bf16_rows(act.p, int64_t(E) * M, I, M);
+    const auto [wgu, xm, wdn, am] = tma_expert_maps(dgu.p, xs.p, ddn.p, act.p, E, H, I, M);
     const int32_t* valid = meta.p + 1 + E;
     // reference: inputs in place long before, one kernel at a time
     CUDA_CHECK(cudaMemcpy(xs.p, xs_src.p, rows * H * sizeof(bf16), cudaMemcpyDeviceToDevice));

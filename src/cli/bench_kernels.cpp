@@ -206,7 +206,7 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
         cuda::router_top_k_stage(cuda::RouterStage::Partials, xr, T, H, router_w, E, K, pes, partial, rl, idx, wk,
                                  masks, st);
       });
-  add("router_top_k: route alone", "split sums, top-k, expert masks", double(T) * E * 4 * ((H + 63) / 64), 0,
+  add("router_top_k: route alone", "split sums, top-k, expert masks", 4.0 * double(cuda::router_partial_floats(T, H)), 0,
       [=](cudaStream_t st) {
         cuda::router_top_k_stage(cuda::RouterStage::Route, xr, T, H, router_w, E, K, pes, partial, rl, idx, wk, masks,
                                  st);

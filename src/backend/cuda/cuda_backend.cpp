@@ -52,7 +52,8 @@ struct Scratch {
   int32_t* slot_token;  // [E M]: the token in each padded expert slot (moe_assign_padded), for the gathered gate_up
   float* router_partial;      // router_top_k's split partials (canvas-sized passes)
   unsigned* expert_masks;      // router_top_k's token bit masks of each expert
-  unsigned* expert_tile_counters;  // the gathered gate_up's tile counters (CudaOptions::dynamic_expert_tiles), the same
+  unsigned* expert_tile_counters;  // gate_up's tile counters (CudaOptions::dynamic_expert_tiles): zeroed once, left
+                                   // zeroed by every launch
   cuda::DeviceRowStats* stats;
   void* row_stats_scratch;     // softcap_row_stats partials
   cuda::ScSurvivorBuffers sc;  // sparse SC survivors (CudaOptions::sc_sparse only)
@@ -770,9 +771,9 @@ class CudaBackend final : public Backend {
       // activation, as the grouped kernels.
       // TMA path: both kernels are PDL-launched and stream weights before their griddepcontrol.wait. gate_up's
       // predecessor on stream_ is the router (masked), the gather or the assignment (the event record between them
-      // only adds the side stream's edge); down's is gate_up (or the overflow gate_up without overlap), and its wait is for that
-      // kernel's completion, which follows gate_up's. The overflow kernels touch only rows past E M, which the maps
-      // do not cover.
+      // only adds the side stream's edge); down's is gate_up (or the overflow gate_up without overlap), and its wait
+      // is for that kernel's completion, which follows gate_up's. The overflow kernels touch only rows past E M,
+      // which the maps do not cover.
       const cuda::TmaExpertsPlan plan{.sms = overlap ? opt_.expert_sms : 0,
                                       .grid = opt_.tma_experts_grid,
                                       .stages = opt_.tma_experts_stages,

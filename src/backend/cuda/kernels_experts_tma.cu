@@ -161,13 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t it = 0, pend = 0;
     bool have_pend = false;
     const int swz = (ln & 7) * 16;  // 128-byte swizzle: 16-byte chunk c of row ln sits at chunk c ^ (ln & 7)
-    // Expert e's rows (uncapped with masks: only > 0 matters to the caller) and, for lane ln, its slot ln's token
-    // (-1 past the count or the 32 slots).
-    auto expert_rows = [&](int e) {
-      if (!masks) return __ldcg(rows + e);
-      const unsigned word = ln < mask_words ? __ldcg(masks + size_t(e) * mask_words + ln) : 0u;
-      return __popc(__ballot_sync(0xffffffffu, word != 0u));  // > 0 iff any token
-    };
+    // Expert e's rows (cnt, at most 32) and, for lane ln, the token of its slot ln (-1 past cnt).
     auto slot_token_of = [&](int e, int& cnt) {
       if (!masks) {
         cnt = __ldcg(rows + e);
@@ -194,24 +188,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       return tok;
     };
-    // The tile after `tile` with rows (n_tiles: none left), by the stride or from the counter.
+    // The tile after `tile` (n_tiles or past: none left), by the stride or from the counter.
     auto next_tile = [&](int tile) {
-      for (;;) {
-        if (tile_ctr) {
-          int t = 0;
-          if (leader) t = int(atomicAdd(tile_ctr, 1u)) + int(gridDim.x);
-          tile = __shfl_sync(0xffffffffu, t, 0);
-        } else {
-          tile += int(gridDim.x);
-        }
-        if (tile >= n_tiles) return n_tiles;
-        if (expert_rows(tile / tiles_n) > 0) return tile;
-      }
+      if (!tile_ctr) return tile + int(gridDim.x);
+      int t = 0;
+      if (leader) t = int(atomicAdd(tile_ctr, 1u)) + int(gridDim.x);
+      return __shfl_sync(0xffffffffu, t, 0);
     };
     for (int tile = first < n_tiles ? first : next_tile(first); tile < n_tiles; tile = next_tile(tile)) {
       const int e = tile / tiles_n;
       int cnt = 0;
       const int tok = slot_token_of(e, cnt);
+      if (cnt <= 0 && tile != first) continue;  // an expert without rows: no reads (its first tile is run regardless)
       int row_a, row_b;
       weight_rows(tile, row_a, row_b);
       const bf16* src = xg + (tok >= 0 ? size_t(tok) * size_t(H) : 0);

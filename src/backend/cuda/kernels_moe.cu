@@ -133,19 +133,19 @@ __global__ void route_top_k_warp_k(const float* logits, int T, int E, int k, con
   warp_top_k(v, [lane](int j) { return lane + 32 * j; }, E, k, pes, idx + size_t(t) * k, w + size_t(t) * k);
 }
 
-// Single block: counts, exclusive scan and row assignment. Expert e's first M pairs go to rows e M .. e M + M - 1,
-// the rest ("overflow") to rows from ovf[e] = E M + (overflow of the experts before e); ovf[E] = end of the overflow
-// rows. M = 0 is the plain grouping: ovf is then the exclusive prefix of the counts (moe_group's offsets).
-// meta (M > 0, may be null): see moe_group_padded. idx is read through L2 (__ldcg): it may come from a grid that the
-// PDL-launched assignment overlapped.
+// moe_assign_k, a single block: counts, exclusive scan and row assignment. Expert e's first M pairs go to rows
+// e M .. e M + M - 1, the rest ("overflow") to rows from ovf[e] = E M + (overflow of the experts before e); ovf[E] =
+// end of the overflow rows. M = 0 is the plain grouping: ovf is then the exclusive prefix of the counts (moe_group's
+// offsets). meta (M > 0, may be null): see moe_group_padded.
 //
 // Two ways to number an expert's pairs (its slots):
-// - ordered (mask != null): slot = the number of earlier TOKENS routed to the expert, from a bit mask of its tokens
-//   (mask: E x ceil(T / 32) words of shared memory). Needs each token's k experts distinct (a top-k's are). The
-//   assignment is then a function of idx alone: the same rows every run, so which pairs overflow M (and take the
-//   grouped kernels' path) does not change from run to run either.
-// - by atomics (mask == null): slots in arrival order, for idx of any kind (moe_group's generic grouping).
-// cnt: E ints of shared memory.
+// - ordered: slot = the number of earlier TOKENS routed to the expert, from a bit mask of its tokens (E x ceil(T / 32)
+//   words of shared memory). Needs each token's k experts distinct (a top-k's are). The assignment is then a
+//   function of idx alone: the same rows every run, so which pairs overflow M (and take the grouped kernels' path)
+//   does not change from run to run either.
+// - by atomics: slots in arrival order, for idx of any kind (moe_group's generic grouping of long prefill chunks).
+// staged: idx copied into shared memory once (all loads of a thread in flight together) instead of read in each
+// phase, each a dependent L2 round trip per pair a thread handles.
 __device__ void scan_expert_rows(int E, int M, int32_t* ovf, int32_t* meta, const int* cnt) {
   if (threadIdx.x >= 32) return;  // warp 0 scans the counts, 32 experts at a time, in ascending expert id
   const int lane = threadIdx.x;
@@ -174,20 +174,39 @@ __device__ void scan_expert_rows(int E, int M, int32_t* ovf, int32_t* meta, cons
   }
 }
 
-// idx_smem (may be null): P ints of shared memory to hold idx, read from global memory once (all loads of a thread
-// in flight together) instead of once per phase, each a dependent L2 round trip per pair a thread handles.
-__device__ void assign_pairs(const int32_t* idx_global, int T, int k, int E, int M, int32_t* ovf, int32_t* sorted_pos,
-                             int32_t* meta, int* cnt, int32_t* slot_token = nullptr, unsigned* mask = nullptr,
-                             int* idx_smem = nullptr) {
+// Shared memory of moe_assign_k: E counts, then (ordered) the E x ceil(T / 32) token masks, then (staged) T k idx.
+size_t assign_smem_bytes(int T, int k, int E, bool ordered, bool staged) {
+  return size_t(E) * sizeof(int) + (ordered ? size_t(E) * size_t((T + 31) / 32) * sizeof(unsigned) : 0) +
+         (staged ? size_t(T) * size_t(k) * sizeof(int) : 0);
+}
+// Ordered and staged where they fit in the 48 KB of dynamic shared memory a launch gets without the opt-in
+// attribute (with a margin), then ordered alone, then staged alone, else neither.
+struct AssignLayout {
+  bool ordered, staged;
+  size_t bytes;
+};
+AssignLayout assign_layout(int T, int k, int E) {
+  constexpr size_t kMaxBytes = 46 * 1024;
+  for (auto [o, st] : {std::pair{true, true}, std::pair{true, false}, std::pair{false, true}})
+    if (assign_smem_bytes(T, k, E, o, st) <= kMaxBytes) return {o, st, assign_smem_bytes(T, k, E, o, st)};
+  return {false, false, assign_smem_bytes(T, k, E, false, false)};
+}
+
+__global__ void moe_assign_k(const int32_t* idx_global, int T, int k, int E, int M, int32_t* ovf, int32_t* sorted_pos,
+                             int32_t* meta, int32_t* slot_token, bool ordered, bool staged) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
+  extern __shared__ int assign_smem[];  // AssignLayout
+  int* cnt = assign_smem;
+  unsigned* mask = ordered ? reinterpret_cast<unsigned*>(assign_smem + E) : nullptr;
+  int* idx_smem = staged ? assign_smem + E + (ordered ? E * ((T + 31) / 32) : 0) : nullptr;
   const int P = T * k, W = (T + 31) / 32;
-  const int32_t* idx = idx_global;
-  if (idx_smem) {
+  if (staged) {
 #pragma unroll 8
     for (int i = threadIdx.x; i < P; i += blockDim.x) idx_smem[i] = __ldcg(idx_global + i);
-    idx = idx_smem;  // published by the first barrier below
-  }
-  auto load_idx = [&](int i) { return idx_smem ? idx[i] : __ldcg(idx + i); };
-  if (mask) {
+  }  // published by the first barrier below
+  auto load_idx = [&](int i) { return staged ? idx_smem[i] : __ldcg(idx_global + i); };
+  if (ordered) {
     for (int i = threadIdx.x; i < E * W; i += blockDim.x) mask[i] = 0;
     __syncthreads();
     for (int i = threadIdx.x; i < P; i += blockDim.x) {
@@ -208,13 +227,13 @@ __device__ void assign_pairs(const int32_t* idx_global, int T, int k, int E, int
   __syncthreads();
   scan_expert_rows(E, M, ovf, meta, cnt);
   __syncthreads();
-  if (!mask)
+  if (!ordered)
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;  // the slot cursors
   __syncthreads();
   for (int i = threadIdx.x; i < P; i += blockDim.x) {
     const int e = load_idx(i), t = i / k;
     int slot;
-    if (mask) {
+    if (ordered) {
       const unsigned* m = mask + e * W;
       slot = __popc(m[t >> 5] & ((1u << (t & 31)) - 1u));
       for (int w = 0; w < (t >> 5); ++w) slot += __popc(m[w]);
@@ -224,44 +243,6 @@ __device__ void assign_pairs(const int32_t* idx_global, int T, int k, int E, int
     sorted_pos[i] = slot < M ? e * M + slot : ovf[e] + slot - M;
     if (slot_token && slot < M) slot_token[e * M + slot] = t;
   }
-}
-
-// Shared memory of assign_pairs: E counts, then (ordered) the E x ceil(T / 32) token masks, then (staged) T k idx.
-size_t assign_smem_bytes(int T, int k, int E, bool ordered, bool staged) {
-  return size_t(E) * sizeof(int) + (ordered ? size_t(E) * size_t((T + 31) / 32) * sizeof(unsigned) : 0) +
-         (staged ? size_t(T) * size_t(k) * sizeof(int) : 0);
-}
-// Dynamic shared memory for assign_pairs, within the 48 KB a launch gets without the opt-in attribute.
-constexpr size_t kAssignMaxSmem = 46 * 1024;
-// The layout assign_pairs gets: ordered and staged where they fit, ordered alone, else neither.
-struct AssignLayout {
-  bool ordered, staged;
-  size_t bytes;
-};
-AssignLayout assign_layout(int T, int k, int E, size_t max_bytes) {
-  for (auto [o, st] : {std::pair{true, true}, std::pair{true, false}, std::pair{false, true}})
-    if (assign_smem_bytes(T, k, E, o, st) <= max_bytes) return {o, st, assign_smem_bytes(T, k, E, o, st)};
-  return {false, false, assign_smem_bytes(T, k, E, false, false)};
-}
-// assign_pairs' shared-memory pointers in a block's dynamic shared memory laid out as AssignLayout says.
-struct AssignSmem {
-  int* cnt;
-  unsigned* mask;
-  int* idx;
-};
-__device__ AssignSmem assign_smem_of(int* smem, int T, int E, bool ordered, bool staged) {
-  unsigned* mask = ordered ? reinterpret_cast<unsigned*>(smem + E) : nullptr;
-  int* idx = staged ? smem + E + (ordered ? E * ((T + 31) / 32) : 0) : nullptr;
-  return {smem, mask, idx};
-}
-
-__global__ void moe_assign_k(const int32_t* idx, int T, int k, int E, int M, int32_t* ovf, int32_t* sorted_pos,
-                             int32_t* meta, int32_t* slot_token, bool ordered, bool staged) {
-  pdl_wait();  // launch.cuh: nothing before this touches global memory
-  pdl_trigger();
-  extern __shared__ int assign_smem[];  // AssignLayout
-  const AssignSmem sm = assign_smem_of(assign_smem, T, E, ordered, staged);
-  assign_pairs(idx, T, k, E, M, ovf, sorted_pos, meta, sm.cnt, slot_token, sm.mask, sm.idx);
 }
 
 // ---- the router of canvas-sized passes (router_top_k): two launches ----
@@ -630,7 +611,7 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
 
 void moe_assign_padded(const int32_t* idx, int T, int k, int E, int M, int32_t* ovf_offsets, int32_t* sorted_pos,
                        int32_t* meta, int32_t* slot_token, cudaStream_t s) {
-  const AssignLayout al = assign_layout(T, k, E, kAssignMaxSmem);
+  const AssignLayout al = assign_layout(T, k, E);
   launch_pdl(moe_assign_k, dim3(1), dim3(1024), al.bytes, s, idx, T, k, E, M, ovf_offsets, sorted_pos,
              M > 0 ? meta : nullptr, M > 0 ? slot_token : nullptr, al.ordered, al.staged);
   CUDA_CHECK_LAUNCH();
