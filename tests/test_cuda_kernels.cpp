@@ -309,8 +309,10 @@ TEST(CudaKernels, RouterTopKMasksAndAssignment) {
   REQUIRE_GPU();
   const size_t max_t = 300, max_h = 2816;
   Dev<float> partial(router_partial_floats(int(max_t), int(max_h)) + 1024 * 128);
+  for (bool tensor_cores : {true, false})
   for (auto [T, E, k, H] : {std::tuple{256, 128, 8, 2816}, std::tuple{37, 6, 2, 40}, std::tuple{300, 128, 8, 2816},
                             std::tuple{1, 128, 8, 2816}, std::tuple{65, 100, 7, 1004}, std::tuple{256, 128, 8, 2816}}) {
+    set_router_tensor_cores(tensor_cores);
     ASSERT_TRUE(router_fused_supported(E, H, k));
     ASSERT_LE(router_partial_floats(T, H), partial.n);
     const int M = moe_padded_rows_per_expert(T, k, E), P = T * k, words = (T + 31) / 32;
@@ -326,7 +328,8 @@ TEST(CudaKernels, RouterTopKMasksAndAssignment) {
       moe_assign_padded(idx.p, T, k, E, M, ovf.p, spos.p, meta.p, slot.p, nullptr);
     };
     run();
-    const std::string what = "T " + std::to_string(T) + " E " + std::to_string(E) + " H " + std::to_string(H);
+    const std::string what = "T " + std::to_string(T) + " E " + std::to_string(E) + " H " + std::to_string(H) +
+                             (tensor_cores ? " (3xTF32)" : " (f32 FMA)");
     auto gl = logits.get();
     auto gi = idx.get();
     auto gw = w.get();
@@ -388,6 +391,7 @@ TEST(CudaKernels, RouterTopKMasksAndAssignment) {
     EXPECT_EQ(spos.get(), gs) << what;
     EXPECT_EQ(masks.get(), gk) << what;
   }
+  set_router_tensor_cores(false);
 }
 
 // moe_combine_ffn = the expert combine (ascending expert id) followed by the FFN output norms and residual.

@@ -201,11 +201,14 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
       std::to_string(K) + ", expert masks", router_bytes, 2.0 * T * H * E, [=](cudaStream_t st) {
         cuda::router_top_k(xr, T, H, router_w, E, K, pes, partial, rl, idx, wk, masks, st);
       });
-  add("router_top_k: partials GEMM alone", "352 blocks of 32 tokens x 128 experts x 64 k", router_bytes,
-      2.0 * T * H * E, [=](cudaStream_t st) {
-        cuda::router_top_k_stage(cuda::RouterStage::Partials, xr, T, H, router_w, E, K, pes, partial, rl, idx, wk,
-                                 masks, st);
-      });
+  for (bool tc : {true, false})
+    add(std::string("router_top_k: partials GEMM alone, ") + (tc ? "3xTF32 (--router-tc)" : "f32 FMA (engine)"),
+        "352 blocks of 32 tokens x 128 experts x 64 k", router_bytes, 2.0 * T * H * E, [=](cudaStream_t st) {
+          cuda::set_router_tensor_cores(tc);
+          cuda::router_top_k_stage(cuda::RouterStage::Partials, xr, T, H, router_w, E, K, pes, partial, rl, idx, wk,
+                                   masks, st);
+          cuda::set_router_tensor_cores(false);
+        });
   add("router_top_k: route alone", "split sums, top-k, expert masks", 4.0 * double(cuda::router_partial_floats(T, H)), 0,
       [=](cudaStream_t st) {
         cuda::router_top_k_stage(cuda::RouterStage::Route, xr, T, H, router_w, E, K, pes, partial, rl, idx, wk, masks,

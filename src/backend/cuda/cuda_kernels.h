@@ -141,6 +141,11 @@ size_t expert_mask_words(int T, int E);
 bool router_fused_supported(int E, int H, int k);
 void router_top_k(const float* x, int T, int H, const float* W, int E, int k, const float* per_expert_scale,
                   float* partial, float* logits, int32_t* idx, float* w, unsigned* expert_masks, cudaStream_t s);
+// router_top_k's partial logits as f32 FMAs on the CUDA cores (the default) or, after set_router_tensor_cores(true)
+// (A/B: bench --router-tc), as 3xTF32 on the tensor cores (sm_80+). Process-wide, like
+// set_pdl; either way deterministic, the two differing in the last bits.
+void set_router_tensor_cores(bool on);
+bool router_tensor_cores();
 // One of router_top_k's two launches, for timing them apart (bench-kernels): the partial logits, then the route
 // (which reads the partials the first wrote).
 enum class RouterStage { Partials, Route };

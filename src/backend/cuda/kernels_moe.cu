@@ -285,6 +285,29 @@ struct RouterSplit {
 };
 RouterSplit router_split(int T, int H) { return {(T + kRtTok - 1) / kRtTok, (H + kRtKc - 1) / kRtKc}; }
 
+// 3xTF32 on the tensor cores (mma.sync m16n8k8): v = hi + lo with hi = tf32(v), lo = tf32(v - hi); a b ~ ahi bhi +
+// ahi blo + alo bhi (the lo lo term is below f32's rounding), summed in f32 in a fixed order: about f32's accuracy
+// (relative error ~2^-22 a product) at a fraction of the FMA kernel's instruction count.
+__device__ __forceinline__ uint32_t tf32_of(float v) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+  return r;
+}
+__device__ __forceinline__ void split_tf32(float v, uint32_t& hi, uint32_t& lo) {
+  hi = tf32_of(v);
+  lo = tf32_of(v - __uint_as_float(hi));
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// TC: the products on the tensor cores (3xTF32, sm_80+); else f32 FMAs on the CUDA cores.
+template <bool TC>
 __global__ void __launch_bounds__(kRtThreads) router_partials_k(RouterArgs a) {
   __shared__ __align__(16) float xs[kRtTok][kRtPad];
   __shared__ __align__(16) float ws[kRtExp][kRtPad];
@@ -306,6 +329,51 @@ __global__ void __launch_bounds__(kRtThreads) router_partials_k(RouterArgs a) {
   cp_async_wait<0>();
   __syncthreads();
   const int warp = tid >> 5, lane = tid & 31;
+  if constexpr (TC) {
+    // warp w: experts 16 w .. 16 w + 15 (two n8 tiles) x all 32 tokens (two m16 tiles); fragments of m16n8k8 with
+    // g = lane / 4, q = lane % 4: A (tokens x k) rows g, g + 8, columns q, q + 4; B (k x experts) row q, q + 4,
+    // column g; C rows g, g + 8, columns 2q, 2q + 1. The 68-float row stride puts all 32 lanes in distinct banks.
+    static_assert(kRtTok == 32 && kRtExp == 16 * kRtWarps && kRtKc % 8 == 0, "tile shape of the tensor-core path");
+    const int g = lane >> 2, q = lane & 3;
+    float c[2][2][4] = {};  // [token m16 tile][expert n8 tile][fragment]
+#pragma unroll 2
+    for (int kk = 0; kk < kRtKc; kk += 8) {
+      uint32_t ah[2][4], al[2][4], bh[2][2], bl[2][2];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        split_tf32(xs[16 * mi + g][kk + q], ah[mi][0], al[mi][0]);
+        split_tf32(xs[16 * mi + g + 8][kk + q], ah[mi][1], al[mi][1]);
+        split_tf32(xs[16 * mi + g][kk + q + 4], ah[mi][2], al[mi][2]);
+        split_tf32(xs[16 * mi + g + 8][kk + q + 4], ah[mi][3], al[mi][3]);
+      }
+#pragma unroll
+      for (int ni = 0; ni < 2; ++ni) {
+        const int e = 16 * warp + 8 * ni + g;
+        split_tf32(ws[e][kk + q], bh[ni][0], bl[ni][0]);
+        split_tf32(ws[e][kk + q + 4], bh[ni][1], bl[ni][1]);
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) {
+          mma_tf32(c[mi][ni], al[mi], bh[ni][0], bh[ni][1]);
+          mma_tf32(c[mi][ni], ah[mi], bl[ni][0], bl[ni][1]);
+          mma_tf32(c[mi][ni], ah[mi], bh[ni][0], bh[ni][1]);
+        }
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int t = t0 + 16 * mi + g + 8 * h;
+        if (t >= a.T) continue;
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni)
+          *reinterpret_cast<float2*>(a.partial + (size_t(split) * a.T + t) * kRtExp + 16 * warp + 8 * ni + 2 * q) =
+              make_float2(c[mi][ni][2 * h], c[mi][ni][2 * h + 1]);
+      }
+    return;
+  }
   constexpr int kTi = kRtTok / kRtWarps, kEj = kRtExp / 32;
   float acc[kTi][kEj] = {};
 #pragma unroll 4
@@ -631,6 +699,22 @@ void moe_gather(const int32_t* sorted_pos, int T, int k, const bf16* x, int H, b
   CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+bool g_router_tc = false;  // set_router_tensor_cores (off until a GPU A/B says it pays)
+}  // namespace
+
+void set_router_tensor_cores(bool on) { g_router_tc = on; }
+
+bool router_tensor_cores() {
+  static const bool capable = [] {
+    int dev = 0, major = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    return major >= 8;
+  }();
+  return g_router_tc && capable;
+}
+
 size_t router_partial_floats(int T, int H) { return size_t(router_split(T, H).splits) * size_t(T) * kRtExp; }
 
 size_t expert_mask_words(int T, int E) { return size_t(E) * size_t((T + 31) / 32); }
@@ -653,7 +737,10 @@ void router_top_k_stage(RouterStage stage, const float* x, int T, int H, const f
   const RouterSplit sp = router_split(T, H);
   const RouterArgs a{x, W, per_expert_scale, T, H, E, k, partial, logits, idx, w, expert_masks};
   if (stage == RouterStage::Partials) {
-    launch_pdl(router_partials_k, dim3(unsigned(sp.tiles), unsigned(sp.splits)), dim3(kRtThreads), 0, s, a);
+    if (router_tensor_cores())
+      launch_pdl(router_partials_k<true>, dim3(unsigned(sp.tiles), unsigned(sp.splits)), dim3(kRtThreads), 0, s, a);
+    else
+      launch_pdl(router_partials_k<false>, dim3(unsigned(sp.tiles), unsigned(sp.splits)), dim3(kRtThreads), 0, s, a);
   } else {
     launch_pdl(router_route_k, dim3(unsigned((T + kRouteTokens - 1) / kRouteTokens)), dim3(32 * kRouteWarps), 0, s,
                a, sp.splits);
