@@ -41,6 +41,7 @@ struct BenchArgs {
   bool router_tc = false;
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
+  int l2_warm_gate_up = 0, l2_warm_down = 0;
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
 };
@@ -104,6 +105,8 @@ int run_bench(const BenchArgs& args) {
   opt.dense_mlp_priority = args.dense_mlp_priority;
   opt.expert_sms = args.expert_sms;
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
+  opt.l2_warm_gate_up_slices = args.l2_warm_gate_up;
+  opt.l2_warm_down_mb = args.l2_warm_down;
   opt.tma_experts_grid = args.tma_grid;
   opt.tma_experts_stages = args.tma_stages;
   CudaScStats sc_stats;
@@ -145,6 +148,8 @@ int run_bench(const BenchArgs& args) {
                                            : "padded: TMA + wgmma gate_up (PDL) where supported, cuBLASLt down";
   out["expert_sms"] = args.expert_sms;
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
+  out["l2_warm_gate_up_slices"] = args.l2_warm_gate_up;
+  out["l2_warm_down_mb"] = args.l2_warm_down;
   out["tma_gather_rows"] = !args.no_tma_gather;
   out["dynamic_expert_tiles"] = opt.dynamic_expert_tiles;
   out["attention_splits"] = args.attn_splits;
@@ -355,6 +360,14 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "run the TMA expert kernels on this many SMs, beside the dense "
                                       "MLP (with --dense-mlp-sms; 0: all SMs)")
                            ->check(CLI::NonNegativeNumber);
+                       sub.add_option("--l2-warm-gate-up", a->l2_warm_gate_up,
+                                      "A/B: k slices of gate_up's first tiles prefetched into L2 beside the router "
+                                      "(CudaOptions::l2_warm_gate_up_slices; 0 = none)")
+                           ->check(CLI::Range(0, 40));
+                       sub.add_option("--l2-warm-down", a->l2_warm_down,
+                                      "A/B: MB of the down weights gate_up's blocks prefetch into L2 as they run out "
+                                      "of tiles (CudaOptions::l2_warm_down_mb; 0 = none)")
+                           ->check(CLI::Range(0, 512));
                        sub.add_option("--tma-l2-prefetch", a->tma_l2_prefetch,
                                       "k slices of each TMA expert block's first weight tile prefetched into "
                                       "L2 before the PDL wait, beyond the ring's stages (0: none)")

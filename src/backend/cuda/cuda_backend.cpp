@@ -692,18 +692,6 @@ class CudaBackend final : public Backend {
                                s_.xr, stream_);
     mark(kStOProj);
 
-    // The dense MLP (compute-bound) and the router + experts (latency- then bandwidth-bound) are independent until
-    // the combine: the dense MLP runs on a side stream (fork/join events, captured into the graph as parallel
-    // branches). Stage-timed, traced and GEMM-tuning passes keep one stream so their times stay attributable.
-    const bool overlap = opt_.overlap_dense_mlp && !timing_ && !trace_ && !cuda::gemm_tuning();
-    if (overlap) {
-      CUDA_CHECK(cudaEventRecord(fork_, stream_));
-      CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
-      gated_mlp_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
-    } else {
-      gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
-    }
-    mark(kStDenseMlp);
     const int Ie = cfg_.moe_intermediate_size;
     // Canvas-sized passes (denoise, commit): experts padded to M rows as one strided-batched cuBLASLt GEMM each
     // (weights stream at ~4.1 instead of ~3.4 TB/s); the rare rows past M go through the grouped kernels.
@@ -721,6 +709,29 @@ class CudaBackend final : public Backend {
     // router and the experts. The TMA down kernel reads the assignment's row counts, so it keeps the assignment first.
     const bool fused_router = padded && opt_.fused_router && cuda::router_fused_supported(E, H, K);
     const bool masked = fused_router && gathered && T <= 1024 && !opt_.tma_experts_down;
+    // The dense MLP (compute-bound) and the router + experts (latency- then bandwidth-bound) are independent until
+    // the combine: the dense MLP runs on a side stream (fork/join events, captured into the graph as parallel
+    // branches). Stage-timed, traced and GEMM-tuning passes keep one stream so their times stay attributable.
+    const bool overlap = opt_.overlap_dense_mlp && !timing_ && !trace_ && !cuda::gemm_tuning();
+    const bool down_cublas = !(tma && opt_.tma_experts_down);
+    const cuda::TmaExpertsPlan plan{
+        .sms = overlap ? opt_.expert_sms : 0,
+        .grid = opt_.tma_experts_grid,
+        .stages = opt_.tma_experts_stages,
+        .l2_prefetch_slices = opt_.tma_experts_l2_prefetch,
+        .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr,
+        .l2_next = masked && down_cublas && opt_.l2_warm_down_mb > 0 ? L.exp_down : nullptr,
+        .l2_next_bytes = std::min(size_t(opt_.l2_warm_down_mb) << 20, size_t(E) * H * Ie * sizeof(bf16))};
+    if (overlap) {
+      CUDA_CHECK(cudaEventRecord(fork_, stream_));
+      CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
+      if (masked && opt_.l2_warm_gate_up_slices > 0)
+        cuda::moe_gate_up_l2_prefetch(L.exp_gu_map, E, H, Ie, opt_.l2_warm_gate_up_slices, side_, plan);
+      gated_mlp_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
+    } else {
+      gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
+    }
+    mark(kStDenseMlp);
     if (fused_router) {
       cuda::router_top_k(s_.xr, T, H, L.router_w, E, K, L.pes, s_.router_partial, s_.rl, s_.idx, s_.wk,
                          s_.expert_masks, stream_);
@@ -774,11 +785,6 @@ class CudaBackend final : public Backend {
       // only adds the side stream's edge); down's is gate_up (or the overflow gate_up without overlap), and its wait
       // is for that kernel's completion, which follows gate_up's. The overflow kernels touch only rows past E M,
       // which the maps do not cover.
-      const cuda::TmaExpertsPlan plan{.sms = overlap ? opt_.expert_sms : 0,
-                                      .grid = opt_.tma_experts_grid,
-                                      .stages = opt_.tma_experts_stages,
-                                      .l2_prefetch_slices = opt_.tma_experts_l2_prefetch,
-                                      .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr};
       const int* valid_rows = s_.moe_meta + 1 + E;  // rows of each expert's padded block
       if (masked) {
         cuda::moe_gate_up_padded_tma_masked(L.exp_gu_map, s_.xe, s_.expert_masks, T, E, H, Ie, s_.acte, stream_,
@@ -794,7 +800,7 @@ class CudaBackend final : public Backend {
       }
       if (!overlap) overflow_gate_up(stream_);
       mark(kStGateUp);
-      if (tma && opt_.tma_experts_down) {
+      if (!down_cublas) {
         cuda::moe_down_padded_tma(L.exp_down_map, acte_map_, valid_rows, E, H, Ie, s_.y, stream_, plan);
       } else {
         gemm_->linear_batched(s_.acte, Dt::BF16, M, L.exp_down, Dt::BF16, H, Ie, s_.y, Dt::F32, E, stream_);

@@ -100,6 +100,14 @@ struct CudaOptions {
   // (bench --tma-grid / --tma-stages); cuda::TmaExpertsPlan explains them.
   int tma_experts_grid = 0;
   int tma_experts_stages = 4;
+  // L2 warming in bandwidth the step leaves idle (hints: results are bitwise the same; A/B, off until measured):
+  //  - l2_warm_gate_up_slices > 0 (masked gate_up): a one-block kernel at the head of the dense MLP's stream
+  //    prefetches that many k slices (past the first stages gate_up requests itself) of gate_up's first-round tiles
+  //    while the router runs (bench --l2-warm-gate-up).
+  //  - l2_warm_down_mb > 0 (masked gate_up with cuBLASLt down): gate_up's blocks, as they run out of tiles, prefetch
+  //    the first that many MB of the layer's down weights (bench --l2-warm-down).
+  int l2_warm_gate_up_slices = 0;
+  int l2_warm_down_mb = 0;
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
   // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)
   // instead of the dense GEMM of the probs through the whole [V, H] table (~0.58 ms). The step falls back to the

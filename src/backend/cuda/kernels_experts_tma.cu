@@ -110,7 +110,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
                   int l2_prefetch_slices, const bf16* __restrict__ xg, const int32_t* __restrict__ slot_token,
-                  unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words) {
+                  unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
+                  const unsigned char* l2_next, size_t l2_next_bytes) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
 #if defined(DG_EXPERTS_TMA)
   const int rows_per_expert = GATED ? 2 * I : H, tiles_n = GATED ? I / 64 : H / 128, K = GATED ? H : I;
@@ -246,11 +247,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncwarp();
     mbar_arrive(full0 + 8 * s);
+    unsigned order = blockIdx.x;  // this block's place among the blocks that ran out of tiles
     if (tile_ctr && leader) {  // every fetch of this block is done; the last block resets the counters
       __threadfence();
-      if (atomicAdd(tile_ctr + 1, 1u) == gridDim.x - 1) {
+      order = atomicAdd(tile_ctr + 1, 1u);
+      if (order == gridDim.x - 1) {
         atomicExch(tile_ctr, 0u);
         atomicExch(tile_ctr + 1, 0u);
+      }
+    }
+    // The next kernel's weights into L2 (TmaExpertsPlan::l2_next), chunk `order`: the blocks that finish first fetch
+    // what the next kernel reads first. Each lane issues every 32nd 16 KB piece of the chunk.
+    if (l2_next_bytes > 0) {
+      order = __shfl_sync(0xffffffffu, order, 0);
+      const size_t chunk = ((l2_next_bytes + gridDim.x - 1) / gridDim.x + 15) & ~size_t(15);
+      const size_t c0 = size_t(order) * chunk, c1 = c0 + chunk < l2_next_bytes ? c0 + chunk : l2_next_bytes;
+      constexpr size_t kPiece = 16384;
+      for (size_t off = c0 + size_t(ln) * kPiece; off < c1; off += 32 * kPiece) {
+        const uint32_t n = uint32_t((c1 - off < kPiece ? c1 - off : kPiece) & ~size_t(15));
+        if (n > 0)
+          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(l2_next + off), "r"(n) : "memory");
       }
     }
   };
@@ -480,7 +496,9 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   // first stages' weights before griddepcontrol.wait (see the kernel).
   auto go = [&](auto kernel, int stages, int grid) {
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
-               act, y, pf, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks, mask_words);
+               act, y, pf, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks, mask_words,
+               static_cast<const unsigned char*>(GATHER ? plan.l2_next : nullptr),
+               GATHER && plan.l2_next ? plan.l2_next_bytes & ~size_t(15) : size_t(0));
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;  // blocks that fit an SM's shared memory
@@ -494,6 +512,23 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   } else {
     go(experts_tma_k<GATED, kStagesOwn, GATHER>, kStagesOwn, std::min(tiles, plan.sms));
   }
+}
+
+// moe_gate_up_l2_prefetch: slice by slice (the order gate_up's blocks consume them in), each thread a tile's two
+// weight boxes (the gate rows and the up rows, as weight_rows in experts_tma_k).
+__global__ void gate_up_l2_prefetch_k(const __grid_constant__ CUtensorMap tmW, int I, int tiles, int slice0,
+                                      int slices) {
+#if defined(DG_EXPERTS_TMA)
+  pdl_wait();  // as every kernel of the stream (launch.cuh); the weights themselves are constants
+  pdl_trigger();
+  const int tiles_n = I / 64;
+  for (int kt = slice0; kt < slice0 + slices; ++kt)
+    for (int tile = int(threadIdx.x); tile < tiles; tile += int(blockDim.x)) {
+      const int row_a = (tile / tiles_n) * 2 * I + (tile % tiles_n) * 64;
+      tma_prefetch_l2_2d(&tmW, kt * kBK, row_a);
+      tma_prefetch_l2_2d(&tmW, kt * kBK, row_a + I);
+    }
+#endif
 }
 
 // Test support: sleeps, then copies (below).
@@ -550,6 +585,30 @@ void moe_gate_up_padded_tma_masked(const TmaMap& w, const bf16* x, const unsigne
 void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
                          cudaStream_t s, const TmaExpertsPlan& plan) {
   launch_experts_tma<false, false>(w, act, rows, E, H, I, nullptr, y, plan, s);
+}
+
+void moe_gate_up_l2_prefetch(const TmaMap& w, int E, int H, int I, int slices, cudaStream_t s,
+                             const TmaExpertsPlan& plan) {
+  if (I % 64 != 0 || H % kBK != 0 || E < 1)
+    throw_cuda_error("moe_gate_up_l2_prefetch", "I and H must be multiples of 64, E >= 1", 0, __FILE__, __LINE__);
+  const int tiles = E * (I / 64);
+  int first_round;  // the blocks of launch_experts_tma's grid for this plan, i.e. its first tiles
+  if (plan.sms <= 0 || plan.sms >= sm_count()) {
+    const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;
+    first_round = std::min(tiles, plan.grid > 0 ? std::min(plan.grid, per_sm * sm_count()) : 2 * sm_count());
+  } else {
+    first_round = std::min(tiles, plan.sms);
+  }
+  const int stages = plan.sms > 0 && plan.sms < sm_count() ? kStagesOwn
+                     : plan.stages == kStagesShared3 || plan.stages == kStagesShared5 ? plan.stages
+                                                                                       : kStagesShared;
+  const int slice0 = std::min(stages, H / kBK);
+  slices = std::min(slices, H / kBK - slice0);
+  if (slices <= 0) return;
+  CUtensorMap mw;
+  std::memcpy(&mw, &w, sizeof mw);
+  launch_pdl(gate_up_l2_prefetch_k, dim3(1), dim3(256), 0, s, mw, I, first_round, slice0, slices);
+  CUDA_CHECK_LAUNCH();
 }
 
 void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const void* src1, void* dst1, size_t bytes1,
