@@ -621,7 +621,8 @@ TEST(CudaKernels, MoePaddedExperts) {
 // grid of 7 blocks with 5-stage rings, three 3-stage blocks per SM; and gate_up reading the token rows straight from x
 // (moe_gate_up_padded_tma_gathered) bitwise equal to gate_up on the gathered copy, with its tiles by the fixed stride
 // or from the atomic counter (TmaExpertsPlan::tile_counters, left zeroed) on three grids, and with each expert's
-// tokens from router_top_k-style masks (moe_gate_up_padded_tma_masked; the case with E = 3 overflows 32 rows).
+// tokens from router_top_k-style masks (moe_gate_up_padded_tma_masked; the case with E = 3 overflows 32 rows); and the
+// fused gate_up + down launch (moe_experts_fused_tma_masked) bitwise equal to both, on three plans.
 // Awkward sizes: nk = K / 64 below the ring depth (down with I = 64: one k slice), one tile per expert, persistent
 // blocks over many tiles (the real shape). Skips where the kernels do not run (not an sm_90 GPU with the sm_90a image).
 TEST(CudaKernels, MoeExpertsPaddedTma) {
@@ -648,6 +649,11 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     Dev<float> y(rows * H), y2(rows * H), y3(rows * H), y4(rows * H), y5(rows * H), y6(rows * H), y7(rows * H);
     Dev<float> y_lt(rows * H);
     Dev<float> g(rows * 2 * I);
+    // the fused gate_up + down launch, three plans: its act and y, and its counters (2 + E)
+    Dev<bf16> act_f1(rows * I), act_f2(rows * I), act_f3(rows * I);
+    Dev<float> y_f1(rows * H), y_f2(rows * H), y_f3(rows * H);
+    Dev<unsigned> fused_ctr(2 + size_t(E));
+    CUDA_CHECK(cudaMemset(fused_ctr.p, 0, fused_ctr.n * sizeof(unsigned)));
     dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), didx.put(idx);
     // moe_group_padded in its two halves, so that the gathered gate_up below sees the same slots as xs
     moe_assign_padded(didx.p, T, k, E, M, ovf.p, spos.p, meta.p, slot.p, nullptr);
@@ -679,6 +685,12 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     moe_gate_up_padded_tma_masked(wgu, dx.p, dmasks.p, T, E, H, I, act12.p, nullptr, {.tile_counters = tile_ctr.p});
     moe_gate_up_padded_tma_masked(wgu, dx.p, dmasks.p, T, E, H, I, act13.p, nullptr, {.grid = 7, .stages = 5});
     moe_down_padded_tma(wdn, am, valid, E, H, I, y7.p, nullptr, {.grid = 1000, .stages = 3});
+    moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_f1.p, y_f1.p, nullptr,
+                                 {.tile_counters = fused_ctr.p});
+    moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_f2.p, y_f2.p, nullptr,
+                                 {.grid = 7, .stages = 5, .tile_counters = fused_ctr.p});
+    moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_f3.p, y_f3.p, nullptr,
+                                 {.grid = 1000, .stages = 3, .tile_counters = fused_ctr.p});
     set_pdl(false);
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act4.p, nullptr);
     moe_down_padded_tma(wdn, am, valid, E, H, I, y4.p, nullptr);
@@ -691,6 +703,9 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     const auto a6 = act6.get(), a7 = act7.get(), a8 = act8.get(), a9 = act9.get(), a10 = act10.get();
     const auto a11 = act11.get(), a12 = act12.get(), a13 = act13.get();
     const auto ctr_after = tile_ctr.get();
+    const auto fused_ctr_after = fused_ctr.get();
+    const auto af1 = act_f1.get(), af2 = act_f2.get(), af3 = act_f3.get();
+    const auto yf1 = y_f1.get(), yf2 = y_f2.get(), yf3 = y_f3.get();
     const auto y1 = y.get(), yb = y2.get(), yc = y3.get(), yd = y4.get(), ye = y5.get();
     const auto yf = y6.get(), yg = y7.get();
     const auto mt = meta.get();
@@ -778,6 +793,14 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     EXPECT_TRUE(same(y1, ye)) << "down: L2 prefetch, " << what;
     EXPECT_TRUE(same(y1, yf)) << "down: 7 blocks of 5 stages, " << what;
     EXPECT_TRUE(same(y1, yg)) << "down: three 3-stage blocks per SM, " << what;
+    // The fused launch: act as the masked gate_up (padding rows untouched, as a1's), y as down on that act.
+    EXPECT_TRUE(same(a1, af1)) << "fused gate_up + down: act, " << what;
+    EXPECT_TRUE(same(y1, yf1)) << "fused gate_up + down: y, " << what;
+    EXPECT_TRUE(same(a1, af2)) << "fused, 7 blocks of 5 stages: act, " << what;
+    EXPECT_TRUE(same(y1, yf2)) << "fused, 7 blocks of 5 stages: y, " << what;
+    EXPECT_TRUE(same(a1, af3)) << "fused, three 3-stage blocks per SM: act, " << what;
+    EXPECT_TRUE(same(y1, yf3)) << "fused, three 3-stage blocks per SM: y, " << what;
+    EXPECT_EQ(fused_ctr_after, std::vector<unsigned>(2 + size_t(E), 0u)) << "fused counters not left zeroed, " << what;
     if (E == 3) {
       EXPECT_GT(overflow, 0) << "the case meant to overflow does not";
     }

@@ -42,6 +42,7 @@ struct BenchArgs {
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
   int l2_warm_gate_up = 0, l2_warm_down = 0;
+  bool fused_experts = false;
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
 };
@@ -107,6 +108,7 @@ int run_bench(const BenchArgs& args) {
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
   opt.l2_warm_gate_up_slices = args.l2_warm_gate_up;
   opt.l2_warm_down_mb = args.l2_warm_down;
+  opt.fused_experts = args.fused_experts;
   opt.tma_experts_grid = args.tma_grid;
   opt.tma_experts_stages = args.tma_stages;
   CudaScStats sc_stats;
@@ -150,6 +152,7 @@ int run_bench(const BenchArgs& args) {
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
   out["l2_warm_gate_up_slices"] = args.l2_warm_gate_up;
   out["l2_warm_down_mb"] = args.l2_warm_down;
+  out["fused_experts"] = args.fused_experts;
   out["tma_gather_rows"] = !args.no_tma_gather;
   out["dynamic_expert_tiles"] = opt.dynamic_expert_tiles;
   out["attention_splits"] = args.attn_splits;
@@ -360,6 +363,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "run the TMA expert kernels on this many SMs, beside the dense "
                                       "MLP (with --dense-mlp-sms; 0: all SMs)")
                            ->check(CLI::NonNegativeNumber);
+                       sub.add_flag("--fused-experts", a->fused_experts,
+                                    "A/B: gate_up and down in one persistent TMA launch instead of gate_up then "
+                                    "cuBLASLt's down GEMM (CudaOptions::fused_experts)");
                        sub.add_option("--l2-warm-gate-up", a->l2_warm_gate_up,
                                       "A/B: k slices of gate_up's first tiles prefetched into L2 beside the router "
                                       "(CudaOptions::l2_warm_gate_up_slices; 0 = none)")

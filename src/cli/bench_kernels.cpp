@@ -188,8 +188,8 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
   float* pes = ar.f32s(E, 0.25f, 1.0f);
   float* rl = ar.take<float>(size_t(T) * E);
   float* partial = ar.take<float>(cuda::router_partial_floats(T, H));
-  unsigned* tiles = ar.take<unsigned>(2);  // gate_up's tile counters
-  CUDA_CHECK(cudaMemset(tiles, 0, 2 * sizeof(unsigned)));
+  unsigned* tiles = ar.take<unsigned>(2 + size_t(E));  // gate_up's tile counters (+ the fused kernel's counts)
+  CUDA_CHECK(cudaMemset(tiles, 0, (2 + size_t(E)) * sizeof(unsigned)));
   unsigned* masks = ar.take<unsigned>(cuda::expert_mask_words(T, E));
   int32_t* idx = ar.take<int32_t>(size_t(T) * K);
   float* wk = ar.take<float>(size_t(T) * K);
@@ -257,6 +257,16 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
     });
     add("down TMA (--tma-experts-down)", pad + ", " + std::to_string(H) + "x" + std::to_string(Ie), dn_bytes,
         dn_flops, [=](cudaStream_t st) { cuda::moe_down_padded_tma(wdn_map, act_map, valid, E, H, Ie, y, st); });
+    add("gate_up + down fused TMA (--fused-experts)", pad + ", one launch", gu_bytes + dn_bytes, gu_flops + dn_flops,
+        [=](cudaStream_t st) {
+          cuda::moe_experts_fused_tma_masked(wgu_map, wdn_map, xe, masks, T, E, H, Ie, acte, y, st,
+                                             {.tile_counters = tiles});
+        });
+    add("gate_up TMA masked, then cuBLASLt down (engine)", pad + ", two launches", gu_bytes + dn_bytes,
+        gu_flops + dn_flops, [=, &gemm](cudaStream_t st) {
+          cuda::moe_gate_up_padded_tma_masked(wgu_map, xe, masks, T, E, H, Ie, acte, st, {.tile_counters = tiles});
+          gemm.linear_batched(acte, Dt::BF16, M, wdn, Dt::BF16, H, Ie, y, Dt::F32, E, st);
+        });
   }
   add("gate_up cuBLASLt strided-batched + gelu (--cublas-experts)", pad, gu_bytes, gu_flops,
       [=, &gemm](cudaStream_t st) {

@@ -9,6 +9,7 @@
 # clock, which slows the SM side); caches are flushed before each kernel (ncu's default), so L2 hits between kernels
 # (the combine reading the down GEMM's output, for one) are not seen here.
 # Output under $OUT: ncu_<i>.csv (raw metrics per launch), ncu_summary.txt (a few metrics per launch), ncu.log.
+# NCU_DETAILS=1: instead, ncu's full section set as text, ncu_details_<i>.txt per family (NCU_COUNT default 1).
 # First run in session 6 (docs/BENCHMARKS.md): four families with NCU_COUNT=6 took well under a minute.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -37,6 +38,14 @@ IFS=';' read -ra families <<<"$KERNELS"
 for k in "${families[@]}"; do
   i=$((i + 1))
   echo "== $k" >>"$OUT/ncu.log"
+  if [ "${NCU_DETAILS:-0}" = 1 ]; then  # every section of ncu's full set, as text (one file per family)
+    # shellcheck disable=SC2086
+    LD_LIBRARY_PATH="$LIBS" timeout 240 "$NCU" --clock-control none --kernel-name "regex:$k" \
+      --launch-skip "${NCU_SKIP:-40}" --launch-count "${NCU_COUNT:-1}" --set full --page details \
+      "$DIST/diffgemma" $BENCH >"$OUT/ncu_details_$i.txt" 2>>"$OUT/ncu.log"
+    echo "rc $? for $k (details)" >>"$OUT/ncu.log"
+    continue
+  fi
   # shellcheck disable=SC2086
   LD_LIBRARY_PATH="$LIBS" timeout 240 "$NCU" --clock-control none --kernel-name "regex:$k" \
     --launch-skip "${NCU_SKIP:-40}" --launch-count "${NCU_COUNT:-4}" --metrics "$METRICS" --csv --page raw \

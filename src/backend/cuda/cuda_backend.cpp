@@ -329,7 +329,7 @@ class CudaBackend final : public Backend {
            double(need) / (1 << 30), opt.max_context, double(free_b) / (1 << 30), double(total_b) / (1 << 30));
     CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
     layout(arena_);
-    CUDA_CHECK(cudaMemset(s_.expert_tile_counters, 0, 2 * sizeof(unsigned)));
+    CUDA_CHECK(cudaMemset(s_.expert_tile_counters, 0, (2 + size_t(cfg_.num_experts)) * sizeof(unsigned)));
     {
       const int H = cfg_.hidden_size, Ie = cfg_.moe_intermediate_size, E = cfg_.num_experts;
       const int M = cuda::moe_padded_rows_per_expert(cfg_.canvas_length, cfg_.top_k_experts, E);
@@ -713,7 +713,8 @@ class CudaBackend final : public Backend {
     // the combine: the dense MLP runs on a side stream (fork/join events, captured into the graph as parallel
     // branches). Stage-timed, traced and GEMM-tuning passes keep one stream so their times stay attributable.
     const bool overlap = opt_.overlap_dense_mlp && !timing_ && !trace_ && !cuda::gemm_tuning();
-    const bool down_cublas = !(tma && opt_.tma_experts_down);
+    const bool fused_experts = masked && opt_.fused_experts && opt_.dynamic_expert_tiles;
+    const bool down_tma = tma && opt_.tma_experts_down, down_cublas = !down_tma && !fused_experts;
     const cuda::TmaExpertsPlan plan{
         .sms = overlap ? opt_.expert_sms : 0,
         .grid = opt_.tma_experts_grid,
@@ -786,7 +787,10 @@ class CudaBackend final : public Backend {
       // is for that kernel's completion, which follows gate_up's. The overflow kernels touch only rows past E M,
       // which the maps do not cover.
       const int* valid_rows = s_.moe_meta + 1 + E;  // rows of each expert's padded block
-      if (masked) {
+      if (fused_experts) {
+        cuda::moe_experts_fused_tma_masked(L.exp_gu_map, L.exp_down_map, s_.xe, s_.expert_masks, T, E, H, Ie,
+                                           s_.acte, s_.y, stream_, plan);
+      } else if (masked) {
         cuda::moe_gate_up_padded_tma_masked(L.exp_gu_map, s_.xe, s_.expert_masks, T, E, H, Ie, s_.acte, stream_,
                                             plan);
       } else if (gathered) {
@@ -800,11 +804,11 @@ class CudaBackend final : public Backend {
       }
       if (!overlap) overflow_gate_up(stream_);
       mark(kStGateUp);
-      if (!down_cublas) {
+      if (down_tma) {
         cuda::moe_down_padded_tma(L.exp_down_map, acte_map_, valid_rows, E, H, Ie, s_.y, stream_, plan);
-      } else {
+      } else if (down_cublas) {
         gemm_->linear_batched(s_.acte, Dt::BF16, M, L.exp_down, Dt::BF16, H, Ie, s_.y, Dt::F32, E, stream_);
-      }
+      }  // else fused_experts: down ran in gate_up's launch
       if (!overlap) overflow_down(stream_);
       mark(kStDown);
     } else {
@@ -850,7 +854,7 @@ class CudaBackend final : public Backend {
     s_.rl = ar.take<float>(Tm * E);
     s_.router_partial = ar.take<float>(cuda::router_partial_floats(int(Lc), int(H)));
     s_.expert_masks = ar.take<unsigned>(cuda::expert_mask_words(int(Lc), int(E)));
-    s_.expert_tile_counters = ar.take<unsigned>(2);
+    s_.expert_tile_counters = ar.take<unsigned>(2 + E);  // + the fused experts' per-expert counts
     s_.wk = ar.take<float>(Tm * K);
     // expert rows: T k grouped, or E M padded + Lc k overflow for canvas-sized passes (moe_group_padded)
     const size_t pad_rows = E * size_t(cuda::moe_padded_rows_per_expert(int(Lc), int(K), int(E))) + Lc * K;

@@ -108,6 +108,9 @@ struct CudaOptions {
   //    the first that many MB of the layer's down weights (bench --l2-warm-down).
   int l2_warm_gate_up_slices = 0;
   int l2_warm_down_mb = 0;
+  // With dynamic_expert_tiles and the masked gate_up: gate_up and down as one persistent TMA launch
+  // (cuda::moe_experts_fused_tma_masked) instead of gate_up then cuBLASLt's down GEMM. A/B: bench --fused-experts.
+  bool fused_experts = false;
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
   // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)
   // instead of the dense GEMM of the probs through the whole [V, H] table (~0.58 ms). The step falls back to the

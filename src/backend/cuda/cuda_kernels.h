@@ -249,10 +249,19 @@ void moe_gate_up_padded_tma_masked(const TmaMap& w, const bf16* x, const unsigne
                                    int I, bf16* act, cudaStream_t s, const TmaExpertsPlan& plan = {});
 void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
                          cudaStream_t s, const TmaExpertsPlan& plan = {});
+// gate_up (as moe_gate_up_padded_tma_masked) and down (as moe_down_padded_tma on its act) in one persistent launch:
+// the tiles of both come from one counter, gate_up's first, so blocks that run out of gate_up tiles go on to down
+// tiles instead of idling through gate_up's last round and the launch gap before a separate down GEMM. A down tile of
+// expert e waits until all of e's gate_up tiles are stored (per-expert counts, release / acquire); it is handed out
+// only after every gate_up tile, so the wait is short and cannot deadlock. Bitwise the same act and y as the two
+// kernels. plan.tile_counters: 2 + E zeroed unsigneds, left zeroed.
+void moe_experts_fused_tma_masked(const TmaMap& w_gate_up, const TmaMap& w_down, const bf16* x,
+                                  const unsigned* expert_masks, int T, int E, int H, int I, bf16* act, float* y,
+                                  cudaStream_t s, const TmaExpertsPlan& plan = {});
 // L2 prefetch (a hint, no results) of the gate_up weights the TMA gate_up kernel launched with `plan` reads first:
 // k slices [stages, stages + slices) of each block's first tile (the kernel requests its first `stages` slices
-// itself), slice by slice. One small block; meant for a concurrent stream while latency-bound work runs before
-// gate_up (CudaOptions::l2_warm_gate_up_slices). No-op off Hopper builds.
+// itself). A few small blocks; meant for a concurrent stream while latency-bound work runs before gate_up
+// (CudaOptions::l2_warm_gate_up_slices). No-op off Hopper builds.
 void moe_gate_up_l2_prefetch(const TmaMap& w, int E, int H, int I, int slices, cudaStream_t s,
                              const TmaExpertsPlan& plan = {});
 // Test support (kernels_experts_tma.cu): a PDL-launched kernel that triggers its dependents at once, sleeps

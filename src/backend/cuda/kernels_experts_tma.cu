@@ -80,6 +80,22 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     }
   }
 }
+// The fused kernel's wait for a count (ld.acquire: the writes released before the count's increments are visible to
+// this thread's loads after it); traps after 10 s, as mbar_wait.
+__device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
+  uint64_t t0 = 0;
+  for (uint32_t spin = 0;; ++spin) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    if (v >= target) return;
+    __nanosleep(100);
+    if ((spin & 255u) == 0) {
+      const uint64_t t = globaltimer();
+      if (spin == 0) t0 = t;
+      else if (t - t0 > 10000000000ull) __trap();
+    }
+  }
+}
 #endif
 
 // GATED (gate_up): tmW = all experts' gate_up weights as [E * 2I, H], tile = 64 gate rows + the matching 64 up rows,
@@ -105,7 +121,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // count their number capped at 32; rows and slot_token are not read. The producer lanes hold one mask word each and
 // find their slot's token with a prefix count, so no assignment kernel stands between the router and gate_up.
 
-template <bool GATED, int kStages, bool GATHER = false>
+template <bool GATED, int kStages, bool GATHER = false, bool FUSED = false>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
@@ -113,18 +129,33 @@ __global__ void __launch_bounds__(kThreads, 1)
                   unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
                   const unsigned char* l2_next, size_t l2_next_bytes) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
+  static_assert(!FUSED || (GATED && GATHER), "the fused kernel is the gathered gate_up followed by down");
 #if defined(DG_EXPERTS_TMA)
   const int rows_per_expert = GATED ? 2 * I : H, tiles_n = GATED ? I / 64 : H / 128, K = GATED ? H : I;
-  const int n_tiles = E * tiles_n, nk = K / kBK;
+  // FUSED: tiles [0, n_gate) are gate_up's (tmW), then E * H / 128 down tiles (tmX holds the down weights).
+  const int n_gate = E * tiles_n, n_tiles = FUSED ? n_gate + E * (H / 128) : n_gate, nk = K / kBK;
+  const int down_tiles_n = H / 128, down_nk = I / kBK;
+  unsigned* const expert_done = FUSED ? tile_ctr + 2 : nullptr;  // per expert: consumer warps done with its gate_up
+  const unsigned gate_done = 4u * unsigned(tiles_n);             // ... when all its gate_up tiles are stored
   extern __shared__ unsigned char smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t full0 = base + kStages * kStageBytes, empty0 = full0 + 8 * kStages, slot0 = empty0 + 8 * kStages;
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   auto weight_rows = [&](int tile, int& row_a, int& row_b) {
+    if (FUSED && tile >= n_gate) {
+      const int d = tile - n_gate, e = d / down_tiles_n, nt = d % down_tiles_n;
+      row_a = e * H + nt * 128;
+      row_b = row_a + 64;
+      return;
+    }
     const int e = tile / tiles_n, nt = tile % tiles_n;
     row_a = e * rows_per_expert + nt * (GATED ? 64 : 128);
     row_b = row_a + (GATED ? I : 64);
   };
+  // FUSED: the expert of a tile, whether it is a down tile, and its k slices.
+  auto is_down = [&](int tile) { return FUSED && tile >= n_gate; };
+  auto expert_of = [&](int tile) { return is_down(tile) ? (tile - n_gate) / down_tiles_n : tile / tiles_n; };
+  auto slices_of = [&](int tile) { return is_down(tile) ? down_nk : nk; };
   // The block's first tile is run whatever its expert's row count: its first stages' weights are requested before
   // the row counts may be read (below), so both roles must consume them. An empty expert's first tile then costs one
   // tile of wasted reads and math and stores nothing (cnt <= 0 in the epilogue). Later tiles of empty experts are
@@ -136,10 +167,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // One stage's two weight boxes (k slice kt of the tile's rows row_a / row_b), after one arrive.expect_tx of `expect`
   // bytes on its full barrier.
   auto issue_weights = [&](uint32_t st, uint32_t full, int kt, int row_a, int row_b, uint32_t expect,
-                           uint64_t policy) {
+                           uint64_t policy, bool down = false) {
+    const CUtensorMap* map = FUSED && down ? &tmX : &tmW;
     mbar_arrive_expect_tx(full, expect);
-    tma_load_2d(st, &tmW, kt * kBK, row_a, full, policy);
-    tma_load_2d(st + kWBoxBytes, &tmW, kt * kBK, row_b, full, policy);
+    tma_load_2d(st, map, kt * kBK, row_a, full, policy);
+    tma_load_2d(st + kWBoxBytes, map, kt * kBK, row_b, full, policy);
   };
 
   // The GATHER producer (all 32 lanes of warp 4; see above the kernel). Lane 0 also issues the weight boxes.
@@ -148,6 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint64_t evict_first = 0;
     if (leader) {
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmW)) : "memory");
+      if (FUSED) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmX)) : "memory");
       asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
     }
     constexpr uint32_t kWBytes = 2 * kWBoxBytes;
@@ -197,19 +230,29 @@ __global__ void __launch_bounds__(kThreads, 1)
       return __shfl_sync(0xffffffffu, t, 0);
     };
     for (int tile = first < n_tiles ? first : next_tile(first); tile < n_tiles; tile = next_tile(tile)) {
-      const int e = tile / tiles_n;
+      const int e = expert_of(tile);
+      const bool down = is_down(tile);
       int cnt = 0;
-      const int tok = slot_token_of(e, cnt);
+      int tok = slot_token_of(e, cnt);
       if (cnt <= 0 && tile != first) continue;  // an expert without rows: no reads (its first tile is run regardless)
       int row_a, row_b;
       weight_rows(tile, row_a, row_b);
       const bf16* src = xg + (tok >= 0 ? size_t(tok) * size_t(H) : 0);
-      for (int kt = 0; kt < nk; ++kt, ++it) {
+      if (FUSED && down) {
+        // The expert's activation rows, once every gate_up tile of the expert is stored (the consumer warps count
+        // them in expert_done with release semantics; this acquire pairs with them). Each lane waits for itself:
+        // its own cp.async reads below are then ordered after the acquire.
+        tok = ln < cnt ? ln : -1;
+        src = act + (size_t(e) * kTok + size_t(tok >= 0 ? tok : 0)) * size_t(I);
+        if (cnt > 0) wait_count(expert_done + e, gate_done);
+      }
+      const int tile_nk = slices_of(tile);
+      for (int kt = 0; kt < tile_nk; ++kt, ++it) {
         const int s = int(it % kStages);
         const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
         if (!(tile == first && kt < npre)) {  // else: stage kt of the fresh ring, its weights already requested
           mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
-          if (leader) issue_weights(st, full, kt, row_a, row_b, kWBytes, evict_first);
+          if (leader) issue_weights(st, full, kt, row_a, row_b, kWBytes, evict_first, down);
         }
         if (leader && kt == 0) {  // before the leader's lane arrival, which every phase of the stage waits for
           st_shared_s32(slot0 + 8 * s, tile);
@@ -255,6 +298,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         atomicExch(tile_ctr, 0u);
         atomicExch(tile_ctr + 1, 0u);
       }
+    }
+    if constexpr (FUSED) {
+      // The last block also zeroes expert_done. Every count has its final value by now: each expert with rows has
+      // down tiles, whose producers (all finished before this block's count above) waited for all its gate_up
+      // tiles; experts without rows are never counted.
+      order = __shfl_sync(0xffffffffu, order, 0);
+      if (order == gridDim.x - 1)
+        for (int e = ln; e < E; e += 32) atomicExch(expert_done + e, 0u);
     }
     // The next kernel's weights into L2 (TmaExpertsPlan::l2_next), chunk `order`: the blocks that finish first fetch
     // what the next kernel reads first. Each lane issues every 32nd 16 KB piece of the chunk.
@@ -379,11 +430,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         continue;
       }
     }
-    const int e = tile / tiles_n, nt = tile % tiles_n;
+    const bool down = is_down(tile);
+    const int e = expert_of(tile), nt = down ? (tile - n_gate) % down_tiles_n : tile % tiles_n;
     float d0[16], d1[16];  // tile rows 0-63 (gate / first half) and 64-127 (up / second half)
 #pragma unroll
     for (int i = 0; i < 16; ++i) d0[i] = 0.f, d1[i] = 0.f;
-    for (int kt = 0; kt < nk; ++kt, ++it) {
+    const int tile_nk = slices_of(tile);
+    for (int kt = 0; kt < tile_nk; ++kt, ++it) {
       const int s = int(it % kStages);
       if (!(GATHER && kt == 0)) mbar_wait(full0 + 8 * s, (it / kStages) & 1u);  // GATHER: waited for above
       __syncwarp();  // wgmma is .sync.aligned
@@ -414,13 +467,20 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int tok = 8 * j + t0 + c, idx = 4 * j + 2 * i + c, r = r0 + 8 * i;
           if (tok >= cnt) continue;
           const size_t row = size_t(e) * kTok + tok;
-          if constexpr (GATED) {
+          if (GATED && !down) {
             act[row * I + nt * 64 + r] = __float2bfloat16(gelu_tanh(d0[idx]) * d1[idx]);
           } else {
             y[row * H + nt * 128 + r] = d0[idx];
             y[row * H + nt * 128 + 64 + r] = d1[idx];
           }
         }
+    if (FUSED && !down && cnt > 0) {  // release this warp's act stores to the down tiles' producers
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence();
+        atomicAdd(expert_done + e, 1u);
+      }
+    }
     if constexpr (!GATHER) tile += int(gridDim.x);
   }
 #endif
@@ -455,7 +515,11 @@ bool experts_tma_supported(int M, int H, int I) {
                              std::pair{experts_tma_k<true, kStagesShared, true>, kStagesShared},
                              std::pair{experts_tma_k<true, kStagesShared3, true>, kStagesShared3},
                              std::pair{experts_tma_k<true, kStagesShared5, true>, kStagesShared5},
-                             std::pair{experts_tma_k<true, kStagesOwn, true>, kStagesOwn}})
+                             std::pair{experts_tma_k<true, kStagesOwn, true>, kStagesOwn},
+                             std::pair{experts_tma_k<true, kStagesShared, true, true>, kStagesShared},
+                             std::pair{experts_tma_k<true, kStagesShared3, true, true>, kStagesShared3},
+                             std::pair{experts_tma_k<true, kStagesShared5, true, true>, kStagesShared5},
+                             std::pair{experts_tma_k<true, kStagesOwn, true, true>, kStagesOwn}})
       CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(stages)));
     return true;
   }();
@@ -482,7 +546,7 @@ TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows
 }
 
 namespace {
-template <bool GATED, bool GATHER>
+template <bool GATED, bool GATHER, bool FUSED = false>
 void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, int E, int H, int I, bf16* act,
                         float* y, const TmaExpertsPlan& plan, cudaStream_t s, const bf16* xg = nullptr,
                         const int32_t* slot_token = nullptr, const unsigned* masks = nullptr, int mask_words = 0) {
@@ -504,30 +568,33 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
     const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;  // blocks that fit an SM's shared memory
     const int grid = std::min(tiles, plan.grid > 0 ? std::min(plan.grid, per_sm * sm_count()) : 2 * sm_count());
     if (plan.stages == kStagesShared3)
-      go(experts_tma_k<GATED, kStagesShared3, GATHER>, kStagesShared3, grid);
+      go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED>, kStagesShared3, grid);
     else if (plan.stages == kStagesShared5)
-      go(experts_tma_k<GATED, kStagesShared5, GATHER>, kStagesShared5, grid);
+      go(experts_tma_k<GATED, kStagesShared5, GATHER, FUSED>, kStagesShared5, grid);
     else
-      go(experts_tma_k<GATED, kStagesShared, GATHER>, kStagesShared, grid);
+      go(experts_tma_k<GATED, kStagesShared, GATHER, FUSED>, kStagesShared, grid);
   } else {
-    go(experts_tma_k<GATED, kStagesOwn, GATHER>, kStagesOwn, std::min(tiles, plan.sms));
+    go(experts_tma_k<GATED, kStagesOwn, GATHER, FUSED>, kStagesOwn, std::min(tiles, plan.sms));
   }
 }
 
-// moe_gate_up_l2_prefetch: slice by slice (the order gate_up's blocks consume them in), each thread a tile's two
-// weight boxes (the gate rows and the up rows, as weight_rows in experts_tma_k).
+// moe_gate_up_l2_prefetch: block b the tiles 8 b .. 8 b + 7, its threads one (tile, slice) each, earliest slices
+// first. Spread over many blocks because one SM's TMA unit issues boxes one after another: a single block issuing
+// 264 x 8 x 2 boxes ran ~20 us and held up the dense MLP queued behind it on its stream (H200, session 7).
+constexpr int kL2WarmTiles = 8;
 __global__ void gate_up_l2_prefetch_k(const __grid_constant__ CUtensorMap tmW, int I, int tiles, int slice0,
                                       int slices) {
 #if defined(DG_EXPERTS_TMA)
   pdl_wait();  // as every kernel of the stream (launch.cuh); the weights themselves are constants
   pdl_trigger();
   const int tiles_n = I / 64;
-  for (int kt = slice0; kt < slice0 + slices; ++kt)
-    for (int tile = int(threadIdx.x); tile < tiles; tile += int(blockDim.x)) {
-      const int row_a = (tile / tiles_n) * 2 * I + (tile % tiles_n) * 64;
-      tma_prefetch_l2_2d(&tmW, kt * kBK, row_a);
-      tma_prefetch_l2_2d(&tmW, kt * kBK, row_a + I);
-    }
+  const int tile = int(blockIdx.x) * kL2WarmTiles + int(threadIdx.x) % kL2WarmTiles;
+  if (tile >= tiles) return;
+  const int row_a = (tile / tiles_n) * 2 * I + (tile % tiles_n) * 64;
+  for (int k = int(threadIdx.x) / kL2WarmTiles; k < slices; k += int(blockDim.x) / kL2WarmTiles) {
+    tma_prefetch_l2_2d(&tmW, (slice0 + k) * kBK, row_a);
+    tma_prefetch_l2_2d(&tmW, (slice0 + k) * kBK, row_a + I);
+  }
 #endif
 }
 
@@ -587,6 +654,22 @@ void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows
   launch_experts_tma<false, false>(w, act, rows, E, H, I, nullptr, y, plan, s);
 }
 
+void moe_experts_fused_tma_masked(const TmaMap& w_gate_up, const TmaMap& w_down, const bf16* x,
+                                  const unsigned* expert_masks, int T, int E, int H, int I, bf16* act, float* y,
+                                  cudaStream_t s, const TmaExpertsPlan& plan) {
+  if ((reinterpret_cast<uintptr_t>(x) & 15) != 0 || (reinterpret_cast<uintptr_t>(act) & 15) != 0 || H % 8 != 0 ||
+      T < 1 || T > 32 * 32)
+    throw_cuda_error("moe_experts_fused_tma_masked",
+                     "x and act must be 16-byte aligned, H a multiple of 8, 1 <= T <= 1024", 0, __FILE__, __LINE__);
+  if (!plan.tile_counters)
+    throw_cuda_error("moe_experts_fused_tma_masked", "needs plan.tile_counters (2 + E zeroed unsigneds)", 0,
+                     __FILE__, __LINE__);
+  // The grid is capped at the gate_up tile count (launch_experts_tma), so every block's first tile is a gate_up
+  // tile and all gate_up tiles are handed out before any down tile.
+  launch_experts_tma<true, true, true>(w_gate_up, w_down, nullptr, E, H, I, act, y, plan, s, x, nullptr,
+                                       expert_masks, (T + 31) / 32);
+}
+
 void moe_gate_up_l2_prefetch(const TmaMap& w, int E, int H, int I, int slices, cudaStream_t s,
                              const TmaExpertsPlan& plan) {
   if (I % 64 != 0 || H % kBK != 0 || E < 1)
@@ -607,7 +690,8 @@ void moe_gate_up_l2_prefetch(const TmaMap& w, int E, int H, int I, int slices, c
   if (slices <= 0) return;
   CUtensorMap mw;
   std::memcpy(&mw, &w, sizeof mw);
-  launch_pdl(gate_up_l2_prefetch_k, dim3(1), dim3(256), 0, s, mw, I, first_round, slice0, slices);
+  launch_pdl(gate_up_l2_prefetch_k, dim3(unsigned((first_round + kL2WarmTiles - 1) / kL2WarmTiles)),
+             dim3(unsigned(kL2WarmTiles * std::min(slices, 8))), 0, s, mw, I, first_round, slice0, slices);
   CUDA_CHECK_LAUNCH();
 }
 
