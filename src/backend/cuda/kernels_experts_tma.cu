@@ -241,10 +241,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (FUSED && down) {
         // The expert's activation rows, once every gate_up tile of the expert is stored (the consumer warps count
         // them in expert_done with release semantics; this acquire pairs with them). Each lane waits for itself:
-        // its own cp.async reads below are then ordered after the acquire.
+        // its own cp.async reads below are then ordered after the acquire. The stage still pending its arrival goes
+        // first: this block's own consumers may be on one of those gate_up tiles, and they need it to finish.
         tok = ln < cnt ? ln : -1;
         src = act + (size_t(e) * kTok + size_t(tok >= 0 ? tok : 0)) * size_t(I);
-        if (cnt > 0) wait_count(expert_done + e, gate_done);
+        if (cnt > 0) {
+          if (have_pend) {
+            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            mbar_arrive(pend);
+            have_pend = false;
+          }
+          wait_count(expert_done + e, gate_done);
+        }
       }
       const int tile_nk = slices_of(tile);
       for (int kt = 0; kt < tile_nk; ++kt, ++it) {
