@@ -19,3 +19,10 @@ for bin in build-gpu-dist/diffgemma build-gpu-dist/diffgemma_tests; do
     xargs -r -I{} cp -Ln {} build-gpu-dist/lib/
 done
 du -sh build-gpu-dist
+# The same, compressed, with build-prof's libraries (profile_step.sh) beside: tools/gpu/unpack_slim.sh restores both on
+# the GPU machine (for when the tree plus build-gpu-dist would pass the 64 MiB a device call carries).
+rm -rf build-gpu-slim && mkdir -p build-gpu-slim
+cp -r build-gpu-dist/lib build-gpu-dist/BUILT_FROM build-gpu-slim/
+if [ -d build-prof/lib ]; then cp -r build-prof/lib build-gpu-slim/prof; else mkdir -p build-gpu-slim/prof; fi
+for bin in diffgemma diffgemma_tests; do gzip -c "build-gpu-dist/$bin" >"build-gpu-slim/$bin.gz"; done
+du -sh build-gpu-slim

@@ -126,6 +126,9 @@ void attention(const AttentionArgs& a, cudaStream_t s);
 // the SMs), in place of "as many as fill the SMs"; still capped by the key tiles and the workspace. 0: automatic.
 // Process-wide, like set_pdl; results stay deterministic for a given count.
 void set_attention_splits(int n);
+// A/B (bench --attn-async-arrive): the D = 256 warp-specialized kernel's producer signals its loads with
+// cp.async.mbarrier.arrive.noinc instead of waiting for them one load behind. Same results, bitwise. Process-wide.
+void set_attention_async_arrive(bool on);
 
 // ---- MoE (kernels_moe.cu) ----
 // Router over f32 logits [T, E]: softmax, top-k (higher prob first, ties -> lower index), renormalized,
