@@ -4,8 +4,7 @@
 // CudaOptions::fused_router off (cuBLASLt's router GEMM), DIFFGEMMA_TEST_CUBLAS_EXPERTS=1 with CudaOptions::tma_experts off
 // (cuBLASLt gate_up on Hopper too), DIFFGEMMA_TEST_TMA_EXPERTS_DOWN=1 with the TMA down kernel on as well,
 // DIFFGEMMA_TEST_NO_TMA_GATHER=1 with CudaOptions::tma_gather_rows off, DIFFGEMMA_TEST_STATIC_EXPERT_TILES=1 with
-// CudaOptions::dynamic_expert_tiles off, DIFFGEMMA_TEST_L2_WARM=1 with the L2 warming hints on
-// (CudaOptions::l2_warm_gate_up_slices 8, l2_warm_down_mb 40), DIFFGEMMA_TEST_ROUTER_TC=1 with the router's partials on
+// CudaOptions::dynamic_expert_tiles off, DIFFGEMMA_TEST_ROUTER_TC=1 with the router's partials on
 // the tensor cores (cuda::set_router_tensor_cores), DIFFGEMMA_TEST_FUSED_EXPERTS=1 with CudaOptions::fused_experts on,
 // so every path stays covered.
 #include <cstdio>
@@ -27,7 +26,6 @@ inline dg::CudaOptions cuda_test_options() {
   o.tma_experts_down = flag("DIFFGEMMA_TEST_TMA_EXPERTS_DOWN");
   o.tma_gather_rows = !flag("DIFFGEMMA_TEST_NO_TMA_GATHER");
   o.dynamic_expert_tiles = !flag("DIFFGEMMA_TEST_STATIC_EXPERT_TILES");
-  if (flag("DIFFGEMMA_TEST_L2_WARM")) o.l2_warm_gate_up_slices = 8, o.l2_warm_down_mb = 40;
   if (flag("DIFFGEMMA_TEST_ROUTER_TC")) dg::cuda::set_router_tensor_cores(true);
   o.fused_experts = flag("DIFFGEMMA_TEST_FUSED_EXPERTS");
   static const bool said = [&] {
@@ -37,7 +35,6 @@ inline dg::CudaOptions cuda_test_options() {
     if (o.tma_experts_down) std::fprintf(stderr, "[cuda tests] CudaOptions::tma_experts_down on\n");
     if (!o.tma_gather_rows) std::fprintf(stderr, "[cuda tests] CudaOptions::tma_gather_rows off\n");
     if (!o.dynamic_expert_tiles) std::fprintf(stderr, "[cuda tests] CudaOptions::dynamic_expert_tiles off\n");
-    if (o.l2_warm_down_mb > 0) std::fprintf(stderr, "[cuda tests] L2 warming on (gate_up 8 slices, down 40 MB)\n");
     if (flag("DIFFGEMMA_TEST_ROUTER_TC")) std::fprintf(stderr, "[cuda tests] router partials on the tensor cores\n");
     if (o.fused_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_experts on\n");
     return true;

@@ -38,11 +38,9 @@ struct BenchArgs {
   int dense_mlp_sms = -1;  // -1: CudaOptions' default
   bool cublas_experts = false, tma_experts_down = false, no_tma_gather = false, static_expert_tiles = false;
   int attn_splits = 0;
-  bool attn_async_arrive = false;
   bool router_tc = false;
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
-  int l2_warm_gate_up = 0, l2_warm_down = 0;
   bool fused_experts = false;
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -84,7 +82,6 @@ int run_bench(const BenchArgs& args) {
   cuda::set_gemm_table(!args.untuned_gemm);
   cuda::set_pdl(!args.no_pdl);
   cuda::set_attention_splits(args.attn_splits);
-  cuda::set_attention_async_arrive(args.attn_async_arrive);
   cuda::set_router_tensor_cores(args.router_tc);
   auto info = cuda::query_device(0);
   if (!info.available) fail("bench needs a CUDA GPU: {}", info.reason);
@@ -108,8 +105,6 @@ int run_bench(const BenchArgs& args) {
   opt.dense_mlp_priority = args.dense_mlp_priority;
   opt.expert_sms = args.expert_sms;
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
-  opt.l2_warm_gate_up_slices = args.l2_warm_gate_up;
-  opt.l2_warm_down_mb = args.l2_warm_down;
   opt.fused_experts = args.fused_experts;
   opt.tma_experts_grid = args.tma_grid;
   opt.tma_experts_stages = args.tma_stages;
@@ -152,13 +147,10 @@ int run_bench(const BenchArgs& args) {
                                            : "padded: TMA + wgmma gate_up (PDL) where supported, cuBLASLt down";
   out["expert_sms"] = args.expert_sms;
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
-  out["l2_warm_gate_up_slices"] = args.l2_warm_gate_up;
-  out["l2_warm_down_mb"] = args.l2_warm_down;
   out["fused_experts"] = args.fused_experts;
   out["tma_gather_rows"] = !args.no_tma_gather;
   out["dynamic_expert_tiles"] = opt.dynamic_expert_tiles;
   out["attention_splits"] = args.attn_splits;
-  out["attention_async_arrive"] = args.attn_async_arrive;
   out["router_tensor_cores"] = args.router_tc;
   out["dense_mlp_priority"] = opt.dense_mlp_priority;
   out["tma_grid"] = args.tma_grid;
@@ -356,9 +348,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--router-tc", a->router_tc,
                                     "A/B: the router's partial logits as 3xTF32 on the tensor cores instead of f32 "
                                     "FMAs (cuda::set_router_tensor_cores)");
-                       sub.add_flag("--attn-async-arrive", a->attn_async_arrive,
-                                    "A/B: the D = 256 attention producer signals its loads with "
-                                    "cp.async.mbarrier.arrive.noinc (cuda::set_attention_async_arrive)");
                        sub.add_option("--attn-splits", a->attn_splits,
                                       "A/B: split-KV count of the attention launches that split (0: as many as fill "
                                       "the SMs; cuda::set_attention_splits)")
@@ -372,14 +361,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--fused-experts", a->fused_experts,
                                     "A/B: gate_up and down in one persistent TMA launch instead of gate_up then "
                                     "cuBLASLt's down GEMM (CudaOptions::fused_experts)");
-                       sub.add_option("--l2-warm-gate-up", a->l2_warm_gate_up,
-                                      "A/B: k slices of gate_up's first tiles prefetched into L2 beside the router "
-                                      "(CudaOptions::l2_warm_gate_up_slices; 0 = none)")
-                           ->check(CLI::Range(0, 40));
-                       sub.add_option("--l2-warm-down", a->l2_warm_down,
-                                      "A/B: MB of the down weights gate_up's blocks prefetch into L2 as they run out "
-                                      "of tiles (CudaOptions::l2_warm_down_mb; 0 = none)")
-                           ->check(CLI::Range(0, 512));
                        sub.add_option("--tma-l2-prefetch", a->tma_l2_prefetch,
                                       "k slices of each TMA expert block's first weight tile prefetched into "
                                       "L2 before the PDL wait, beyond the ring's stages (0: none)")

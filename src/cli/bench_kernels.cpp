@@ -156,13 +156,6 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
     add("attention" + tag, "denoise, " + std::to_string(T) + " queries x " + std::to_string(int64_t(keys)) +
         " keys, D " + std::to_string(D), 2.0 * keys * nkv * D * 2 + 4.0 * T * nh * D, 4.0 * T * nh * keys * D,
         [=](cudaStream_t st) { cuda::attention(at, st); });
-    if (sliding)
-      add("attention" + tag + ", async-arrive producer (--attn-async-arrive)", "as above",
-          2.0 * keys * nkv * D * 2 + 4.0 * T * nh * D, 4.0 * T * nh * keys * D, [=](cudaStream_t st) {
-            cuda::set_attention_async_arrive(true);
-            cuda::attention(at, st);
-            cuda::set_attention_async_arrive(false);
-          });
     cuda::AttentionArgs pre = at;  // a commit: causal over [cache ; canvas], the canvas's K/V then written
     pre.causal = true;
     add("attention commit" + tag, "causal, " + std::to_string(T) + " queries", 2.0 * keys * nkv * D * 2,

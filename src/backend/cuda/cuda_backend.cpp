@@ -720,14 +720,10 @@ class CudaBackend final : public Backend {
         .grid = opt_.tma_experts_grid,
         .stages = opt_.tma_experts_stages,
         .l2_prefetch_slices = opt_.tma_experts_l2_prefetch,
-        .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr,
-        .l2_next = masked && down_cublas && opt_.l2_warm_down_mb > 0 ? L.exp_down : nullptr,
-        .l2_next_bytes = std::min(size_t(opt_.l2_warm_down_mb) << 20, size_t(E) * H * Ie * sizeof(bf16))};
+        .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr};
     if (overlap) {
       CUDA_CHECK(cudaEventRecord(fork_, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
-      if (masked && opt_.l2_warm_gate_up_slices > 0)
-        cuda::moe_gate_up_l2_prefetch(L.exp_gu_map, E, H, Ie, opt_.l2_warm_gate_up_slices, side_, plan);
       gated_mlp_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
     } else {
       gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);

@@ -100,14 +100,6 @@ struct CudaOptions {
   // (bench --tma-grid / --tma-stages); cuda::TmaExpertsPlan explains them.
   int tma_experts_grid = 0;
   int tma_experts_stages = 4;
-  // L2 warming in bandwidth the step leaves idle (hints: results are bitwise the same; A/B, off until measured):
-  //  - l2_warm_gate_up_slices > 0 (masked gate_up): a one-block kernel at the head of the dense MLP's stream
-  //    prefetches that many k slices (past the first stages gate_up requests itself) of gate_up's first-round tiles
-  //    while the router runs (bench --l2-warm-gate-up).
-  //  - l2_warm_down_mb > 0 (masked gate_up with cuBLASLt down): gate_up's blocks, as they run out of tiles, prefetch
-  //    the first that many MB of the layer's down weights (bench --l2-warm-down).
-  int l2_warm_gate_up_slices = 0;
-  int l2_warm_down_mb = 0;
   // With dynamic_expert_tiles and the masked gate_up: gate_up and down as one persistent TMA launch
   // (cuda::moe_experts_fused_tma_masked) instead of gate_up then cuBLASLt's down GEMM. A/B: bench --fused-experts.
   bool fused_experts = false;

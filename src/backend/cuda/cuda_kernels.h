@@ -126,9 +126,6 @@ void attention(const AttentionArgs& a, cudaStream_t s);
 // the SMs), in place of "as many as fill the SMs"; still capped by the key tiles and the workspace. 0: automatic.
 // Process-wide, like set_pdl; results stay deterministic for a given count.
 void set_attention_splits(int n);
-// A/B (bench --attn-async-arrive): the D = 256 warp-specialized kernel's producer signals its loads with
-// cp.async.mbarrier.arrive.noinc instead of waiting for them one load behind. Same results, bitwise. Process-wide.
-void set_attention_async_arrive(bool on);
 
 // ---- MoE (kernels_moe.cu) ----
 // Router over f32 logits [T, E]: softmax, top-k (higher prob first, ties -> lower index), renormalized,
@@ -226,12 +223,6 @@ struct TmaExpertsPlan {
   // tiles handed out by an atomic counter after each block's first, instead of the fixed stride, so that blocks
   // that start late (their SMs busy with another stream's kernels) take fewer tiles. Null: the fixed stride.
   unsigned* tile_counters = nullptr;
-  // GATHER kernels (gathered / masked gate_up) only: once a block's producer has no tile left, it prefetches one of
-  // gridDim.x equal chunks of [l2_next, l2_next + l2_next_bytes) into L2 (the k-th block to run out of tiles, chunk
-  // k, with tile_counters; else chunk blockIdx.x): the next kernel's first weights (down's), fetched in the
-  // bandwidth that gate_up's last tiles and the launch gap leave idle. A hint: no result depends on it.
-  const void* l2_next = nullptr;
-  size_t l2_next_bytes = 0;
 };
 // Launched with PDL (launch.cuh): each block requests its first ring stages' weights (constants) before
 // griddepcontrol.wait, everything else after it. The weight buffers must not be written by the stream's preceding
@@ -261,12 +252,6 @@ void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows
 void moe_experts_fused_tma_masked(const TmaMap& w_gate_up, const TmaMap& w_down, const bf16* x,
                                   const unsigned* expert_masks, int T, int E, int H, int I, bf16* act, float* y,
                                   cudaStream_t s, const TmaExpertsPlan& plan = {});
-// L2 prefetch (a hint, no results) of the gate_up weights the TMA gate_up kernel launched with `plan` reads first:
-// k slices [stages, stages + slices) of each block's first tile (the kernel requests its first `stages` slices
-// itself). A few small blocks; meant for a concurrent stream while latency-bound work runs before gate_up
-// (CudaOptions::l2_warm_gate_up_slices). No-op off Hopper builds.
-void moe_gate_up_l2_prefetch(const TmaMap& w, int E, int H, int I, int slices, cudaStream_t s,
-                             const TmaExpertsPlan& plan = {});
 // Test support (kernels_experts_tma.cu): a PDL-launched kernel that triggers its dependents at once, sleeps
 // delay_us, then copies src0 -> dst0 and src1 -> dst1 (bytes): a predecessor that writes its outputs late, so that a
 // PDL kernel after it which read them before griddepcontrol.wait would see stale data.

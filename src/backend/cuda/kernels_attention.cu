@@ -55,6 +55,11 @@
 // proxy fence on the consumer side) or load by TMA (the swizzled layout is what a SWIZZLE_128B tensor map with a
 // 64-column box writes: one thread, 4 copies a tile), so that the ring runs a full stage ahead; the same producer for
 // attention_wgx_k; the Q load (15% before) off the first tile's critical path.
+// Measured since (H200, session 7): the producer signalling with cp.async.mbarrier.arrive.noinc, the consumers fencing
+// to the async proxy after each full wait (so every ring stage can be in flight): bitwise the same, no faster
+// (sliding denoise 38.1 vs 38.3 us alone, 4K step 17.60 / 17.62 vs 17.60 / 17.67 ms): not kept. ncu of the denoise
+// launch (4 x 8 x 4 blocks, 32 us): SMs active 73% of the time, issue slots 24% busy, ~0.45 eligible warps per
+// scheduler; the loads in flight are not what holds it.
 // Tried here and dropped: the split-KV merged inside a cluster of the nsplit CTAs through DSMEM (no workspace, no
 // combine launch): bitwise equal to the combine kernel, but the H200 holds only 30 clusters of 4 CTAs with this shared
 // memory (15 of 8), and the denoise grids need 32, so it never applied at model shapes; issuing the V loads after
@@ -875,12 +880,7 @@ __device__ __forceinline__ void mbar_wait_cta(uint32_t addr, uint32_t parity) {
 }
 #endif
 
-// AA ("async arrive"): each producer thread signals a load with cp.async.mbarrier.arrive.noinc (the arrival fires when
-// the thread's copies have landed) instead of waiting for its own copies one load behind, so the producer only ever
-// blocks on the empty barriers and every stage of the ring can be in flight; the consumers then make the landed
-// copies visible to the tensor cores' proxy themselves (fence.proxy.async after each full-barrier wait). A/B:
-// cuda::set_attention_async_arrive.
-template <int D, int NK, bool SW, bool AA = false>
+template <int D, int NK, bool SW>
 __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a, Split sp) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
@@ -914,17 +914,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProdRegs));
     const int64_t fp_mod = a.first_pos % a.cap;
     ws_load_q<SW, D, 128>(smem, a, D, kvh, g, 0, m0, rows_total, tid);
+    cp_async_commit();
     uint32_t pend = full_q;  // the barrier of the last load issued, signalled after the next one is issued
-    if constexpr (AA) {
-      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full_q) : "memory");
-    } else {
-      cp_async_commit();
-    }
     auto signal = [&](uint32_t next) {
-      if constexpr (AA) {
-        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(next) : "memory");
-        return;
-      }
       cp_async_commit();
       cp_async_wait<1>();
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -950,11 +942,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
                                jb + i * BN, je, fp_mod, tid);
       signal(full_v(s));
     }
-    if constexpr (!AA) {
-      cp_async_wait<0>();
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      mbar_arrive(pend);
-    }
+    cp_async_wait<0>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    mbar_arrive(pend);
   } else {  // ---- consumer warpgroups
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsRegs));
     const int ct = tid - 128, warp = ct >> 5, lane = ct & 31, grp = lane >> 2, tig = lane & 3;
@@ -979,13 +969,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
                            : wg_desc(base + uint32_t(rbase / 8) * RS, 128, RS);
     const uint32_t v_lbo = SW ? 8192u : kVLbo, v_sbo = SW ? 1024u : kVSbo;
     constexpr int kVStep = SW ? 2048 / 16 : 2 * RS / 16;  // descriptor step of 16 keys
-    // AA: the copies a full barrier reports were made by the producer threads in the generic proxy; this thread makes
-    // them visible to its wgmma reads (async proxy) after observing them.
-    auto landed = [] {
-      if constexpr (AA) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    };
     mbar_wait_cta(full_q, 0);
-    landed();
     if constexpr (kWsPingPong) {  // warpgroup 0 goes first
       if (wg == 1) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
     }
@@ -994,7 +978,6 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       const int ks = int(i % NK);
       const int64_t j0 = jb + i * BN;
       mbar_wait_cta(full_k(ks), uint32_t((i / NK) & 1));
-      landed();
       if constexpr (kWsPingPong) asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg) : "memory");
       float s[NT * 4];
 #pragma unroll
@@ -1008,7 +991,6 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       if (i > 0) {
         const int vs = int((i - 1) & 1);
         mbar_wait_cta(full_v(vs), uint32_t(((i - 1) / 2) & 1));
-        landed();
         const uint64_t vd = wg_desc(vbuf + uint32_t(vs * C::kv_bytes), v_lbo, v_sbo) | kSw;
 #pragma unroll
         for (int kc = 0; kc < BN / 16; ++kc) wg_rs_n256_t(o, pa[kc], vd + uint64_t(kc * kVStep));
@@ -1031,7 +1013,6 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
     if (ntiles > 0) {
       const int vs = int((ntiles - 1) & 1);
       mbar_wait_cta(full_v(vs), uint32_t(((ntiles - 1) / 2) & 1));
-      landed();
       wg_fence();
       const uint64_t vd = wg_desc(vbuf + uint32_t(vs * C::kv_bytes), v_lbo, v_sbo) | kSw;
 #pragma unroll
@@ -1303,7 +1284,6 @@ constexpr bool kWgxSw128 = true;      // attention_wgx_k: 128-byte swizzled tile
 
 // Split-KV count for a grid of `base` blocks over `tiles` key tiles (1: no split).
 int g_attention_splits = 0;  // set_attention_splits
-bool g_attention_async_arrive = false;  // set_attention_async_arrive
 
 Split pick_split(const AttentionArgs& a, int base, int64_t tiles, int D) {
   const int rows = a.T * (a.nh / a.nkv);
@@ -1364,19 +1344,16 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
   }
   if constexpr (D == 256) {
     constexpr auto wsk = attention_ws_k<256, kWsK, kWsSw128>;
-    constexpr auto wsk_aa = attention_ws_k<256, kWsK, kWsSw128, true>;
     static const bool ws = kWgmma && kWs256 && [] {
       if (!sm90a_image_of(wsk)) return false;
-      for (auto k : {wsk, wsk_aa})
-        CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(WsCfg<256, kWsK>::smem)));
+      CUDA_CHECK(cudaFuncSetAttribute(wsk, cudaFuncAttributeMaxDynamicSharedMemorySize, int(WsCfg<256, kWsK>::smem)));
       return true;
     }();
     if (ws) {
       using W = WsCfg<256, kWsK>;
       const int row_tiles = (rows + W::BM - 1) / W::BM;
       const Split sp = pick_split(a, row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
-      launch_pdl(g_attention_async_arrive ? wsk_aa : wsk, dim3(dim3(row_tiles, a.nkv, sp.nsplit)), dim3(kWsThreads),
-                 W::smem, s, a, sp);
+      launch_pdl(wsk, dim3(dim3(row_tiles, a.nkv, sp.nsplit)), dim3(kWsThreads), W::smem, s, a, sp);
       CUDA_CHECK_LAUNCH();
       return combine(a, sp, s);
     }
@@ -1412,7 +1389,6 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
 }  // namespace
 
 void set_attention_splits(int n) { g_attention_splits = n > 0 ? n : 0; }
-void set_attention_async_arrive(bool on) { g_attention_async_arrive = on; }
 
 void attention(const AttentionArgs& a, cudaStream_t s) {
   if (a.T == 0) return;

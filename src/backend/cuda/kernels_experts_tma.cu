@@ -126,8 +126,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
                   int l2_prefetch_slices, const bf16* __restrict__ xg, const int32_t* __restrict__ slot_token,
-                  unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
-                  const unsigned char* l2_next, size_t l2_next_bytes) {
+                  unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
   static_assert(!FUSED || (GATED && GATHER), "the fused kernel is the gathered gate_up followed by down");
 #if defined(DG_EXPERTS_TMA)
@@ -315,19 +314,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       order = __shfl_sync(0xffffffffu, order, 0);
       if (order == gridDim.x - 1)
         for (int e = ln; e < E; e += 32) atomicExch(expert_done + e, 0u);
-    }
-    // The next kernel's weights into L2 (TmaExpertsPlan::l2_next), chunk `order`: the blocks that finish first fetch
-    // what the next kernel reads first. Each lane issues every 32nd 16 KB piece of the chunk.
-    if (l2_next_bytes > 0) {
-      order = __shfl_sync(0xffffffffu, order, 0);
-      const size_t chunk = ((l2_next_bytes + gridDim.x - 1) / gridDim.x + 15) & ~size_t(15);
-      const size_t c0 = size_t(order) * chunk, c1 = c0 + chunk < l2_next_bytes ? c0 + chunk : l2_next_bytes;
-      constexpr size_t kPiece = 16384;
-      for (size_t off = c0 + size_t(ln) * kPiece; off < c1; off += 32 * kPiece) {
-        const uint32_t n = uint32_t((c1 - off < kPiece ? c1 - off : kPiece) & ~size_t(15));
-        if (n > 0)
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(l2_next + off), "r"(n) : "memory");
-      }
     }
   };
 
@@ -569,9 +555,7 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   // first stages' weights before griddepcontrol.wait (see the kernel).
   auto go = [&](auto kernel, int stages, int grid) {
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
-               act, y, pf, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks, mask_words,
-               static_cast<const unsigned char*>(GATHER ? plan.l2_next : nullptr),
-               GATHER && plan.l2_next ? plan.l2_next_bytes & ~size_t(15) : size_t(0));
+               act, y, pf, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks, mask_words);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;  // blocks that fit an SM's shared memory
@@ -585,26 +569,6 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   } else {
     go(experts_tma_k<GATED, kStagesOwn, GATHER, FUSED>, kStagesOwn, std::min(tiles, plan.sms));
   }
-}
-
-// moe_gate_up_l2_prefetch: block b the tiles 8 b .. 8 b + 7, its threads one (tile, slice) each, earliest slices
-// first. Spread over many blocks because one SM's TMA unit issues boxes one after another: a single block issuing
-// 264 x 8 x 2 boxes ran ~20 us and held up the dense MLP queued behind it on its stream (H200, session 7).
-constexpr int kL2WarmTiles = 8;
-__global__ void gate_up_l2_prefetch_k(const __grid_constant__ CUtensorMap tmW, int I, int tiles, int slice0,
-                                      int slices) {
-#if defined(DG_EXPERTS_TMA)
-  pdl_wait();  // as every kernel of the stream (launch.cuh); the weights themselves are constants
-  pdl_trigger();
-  const int tiles_n = I / 64;
-  const int tile = int(blockIdx.x) * kL2WarmTiles + int(threadIdx.x) % kL2WarmTiles;
-  if (tile >= tiles) return;
-  const int row_a = (tile / tiles_n) * 2 * I + (tile % tiles_n) * 64;
-  for (int k = int(threadIdx.x) / kL2WarmTiles; k < slices; k += int(blockDim.x) / kL2WarmTiles) {
-    tma_prefetch_l2_2d(&tmW, (slice0 + k) * kBK, row_a);
-    tma_prefetch_l2_2d(&tmW, (slice0 + k) * kBK, row_a + I);
-  }
-#endif
 }
 
 // Test support: sleeps, then copies (below).
@@ -677,31 +641,6 @@ void moe_experts_fused_tma_masked(const TmaMap& w_gate_up, const TmaMap& w_down,
   // tile and all gate_up tiles are handed out before any down tile.
   launch_experts_tma<true, true, true>(w_gate_up, w_down, nullptr, E, H, I, act, y, plan, s, x, nullptr,
                                        expert_masks, (T + 31) / 32);
-}
-
-void moe_gate_up_l2_prefetch(const TmaMap& w, int E, int H, int I, int slices, cudaStream_t s,
-                             const TmaExpertsPlan& plan) {
-  if (I % 64 != 0 || H % kBK != 0 || E < 1)
-    throw_cuda_error("moe_gate_up_l2_prefetch", "I and H must be multiples of 64, E >= 1", 0, __FILE__, __LINE__);
-  const int tiles = E * (I / 64);
-  int first_round;  // the blocks of launch_experts_tma's grid for this plan, i.e. its first tiles
-  if (plan.sms <= 0 || plan.sms >= sm_count()) {
-    const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;
-    first_round = std::min(tiles, plan.grid > 0 ? std::min(plan.grid, per_sm * sm_count()) : 2 * sm_count());
-  } else {
-    first_round = std::min(tiles, plan.sms);
-  }
-  const int stages = plan.sms > 0 && plan.sms < sm_count() ? kStagesOwn
-                     : plan.stages == kStagesShared3 || plan.stages == kStagesShared5 ? plan.stages
-                                                                                       : kStagesShared;
-  const int slice0 = std::min(stages, H / kBK);
-  slices = std::min(slices, H / kBK - slice0);
-  if (slices <= 0) return;
-  CUtensorMap mw;
-  std::memcpy(&mw, &w, sizeof mw);
-  launch_pdl(gate_up_l2_prefetch_k, dim3(unsigned((first_round + kL2WarmTiles - 1) / kL2WarmTiles)),
-             dim3(unsigned(kL2WarmTiles * std::min(slices, 8))), 0, s, mw, I, first_round, slice0, slices);
-  CUDA_CHECK_LAUNCH();
 }
 
 void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const void* src1, void* dst1, size_t bytes1,
