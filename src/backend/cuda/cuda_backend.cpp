@@ -721,13 +721,6 @@ class CudaBackend final : public Backend {
         .stages = opt_.tma_experts_stages,
         .l2_prefetch_slices = opt_.tma_experts_l2_prefetch,
         .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr};
-    // CudaOptions::dense_mlp_after_router_partials: the router's partials kernel first, on all SMs, then the fork.
-    const bool split_router = fused_router && overlap && opt_.dense_mlp_after_router_partials;
-    auto router_stage = [&](cuda::RouterStage st) {
-      cuda::router_top_k_stage(st, s_.xr, T, H, L.router_w, E, K, L.pes, s_.router_partial, s_.rl, s_.idx, s_.wk,
-                               s_.expert_masks, stream_);
-    };
-    if (split_router) router_stage(cuda::RouterStage::Partials);
     if (overlap) {
       CUDA_CHECK(cudaEventRecord(fork_, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
@@ -736,9 +729,7 @@ class CudaBackend final : public Backend {
       gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
     }
     mark(kStDenseMlp);
-    if (split_router) {
-      router_stage(cuda::RouterStage::Route);
-    } else if (fused_router) {
+    if (fused_router) {
       cuda::router_top_k(s_.xr, T, H, L.router_w, E, K, L.pes, s_.router_partial, s_.rl, s_.idx, s_.wk,
                          s_.expert_masks, stream_);
     } else {

@@ -103,9 +103,6 @@ struct CudaOptions {
   // With dynamic_expert_tiles and the masked gate_up: gate_up and down as one persistent TMA launch
   // (cuda::moe_experts_fused_tma_masked) instead of gate_up then cuBLASLt's down GEMM. A/B: bench --fused-experts.
   bool fused_experts = false;
-  // With fused_router and overlap_dense_mlp: fork the dense MLP's stream after the router's partials kernel instead of
-  // before it, so that the partials run on all SMs. A/B: bench --dense-after-router-partials.
-  bool dense_mlp_after_router_partials = false;
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
   // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)
   // instead of the dense GEMM of the probs through the whole [V, H] table (~0.58 ms). The step falls back to the
