@@ -51,7 +51,8 @@ fi
 # CUBLAS_EXPERTS=1: the parity and full-shape tests again with CudaOptions::tma_experts off (cuBLASLt gate_up + the
 # GELU pass, the path of non-Hopper GPUs); TMA_EXPERTS_DOWN=1: with the TMA down kernel on as well; NO_TMA_GATHER=1:
 # with the gate_up kernel reading a gathered copy of the token rows (CudaOptions::tma_gather_rows off);
-# STATIC_EXPERT_TILES=1: with gate_up's blocks striding over its tiles; ROUTER_TC=1: with the router's partials on the tensor cores; FUSED_EXPERTS=1: gate_up and down in one launch.
+# STATIC_EXPERT_TILES=1: with gate_up's blocks striding over its tiles; ROUTER_TC=1: with the router's partials on
+# the tensor cores; FUSED_EXPERTS=1: gate_up and down in one launch.
 # CUBLAS_ROUTER=1 applies to this run too.
 te_rc=skipped
 if [ "${CUBLAS_EXPERTS:-0}" = 1 ] || [ "${TMA_EXPERTS_DOWN:-0}" = 1 ] || [ "${NO_TMA_GATHER:-0}" = 1 ] ||
@@ -60,7 +61,8 @@ if [ "${CUBLAS_EXPERTS:-0}" = 1 ] || [ "${TMA_EXPERTS_DOWN:-0}" = 1 ] || [ "${NO
   DIFFGEMMA_TEST_CUBLAS_EXPERTS=${CUBLAS_EXPERTS:-0} DIFFGEMMA_TEST_TMA_EXPERTS_DOWN=${TMA_EXPERTS_DOWN:-0} \
     DIFFGEMMA_TEST_NO_TMA_GATHER=${NO_TMA_GATHER:-0} DIFFGEMMA_TEST_STATIC_EXPERT_TILES=${STATIC_EXPERT_TILES:-0} \
     DIFFGEMMA_TEST_CUBLAS_ROUTER=${CUBLAS_ROUTER:-0} \
-    DIFFGEMMA_TEST_ROUTER_TC=${ROUTER_TC:-0} DIFFGEMMA_TEST_FUSED_EXPERTS=${FUSED_EXPERTS:-0} DIFFGEMMA_FULLSHAPE_DIR="$FS_DIR" LD_LIBRARY_PATH="$LIBS" timeout 300 \
+    DIFFGEMMA_TEST_ROUTER_TC=${ROUTER_TC:-0} DIFFGEMMA_TEST_FUSED_EXPERTS=${FUSED_EXPERTS:-0} \
+    DIFFGEMMA_FULLSHAPE_DIR="$FS_DIR" LD_LIBRARY_PATH="$LIBS" timeout 300 \
     "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*:CudaFullShape.*' >"$OUT/parity_experts_path.log" 2>&1
   te_rc=$?
 fi
