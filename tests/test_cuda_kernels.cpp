@@ -807,50 +807,6 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
   }
 }
 
-// dense_down_tma (the TMA expert kernel on token groups of 32 sharing one weight, bf16 out) against a CPU double
-// reference (every 7th row) and cuBLASLt's bf16 GEMM (all rows), with the rows past T left untouched, on a few grids;
-// bitwise the same on every grid (each output element is summed by one block in a fixed k order). Shapes: the dense
-// MLP's down projection at the canvas (256 x 2112 -> 2816) and awkward small ones.
-TEST(CudaKernels, DenseDownTma) {
-  REQUIRE_GPU();
-  Gemm gemm;
-  for (auto [T, H, I] : {std::tuple{256, 2816, 2112}, std::tuple{64, 256, 128}, std::tuple{96, 384, 64}}) {
-    if (!experts_tma_supported(32, H, I)) GTEST_SKIP() << "the TMA expert kernels need an sm_90 GPU (sm_90a image)";
-    auto a = rnd(size_t(T) * I), w = rnd(size_t(H) * I, -0.05f, 0.05f);
-    Dev<bf16> da(a.size()), dw(w.size()), out1(size_t(T + 32) * H), out2(out1.n), out3(out1.n), ref(size_t(T) * H);
-    da.put(to_bf16(a)), dw.put(to_bf16(w));
-    const TmaMap wm = tma_map_bf16_rows(dw.p, H, I, 64), am = tma_map_bf16_rows(da.p, T, I, 32);
-    dense_down_tma(wm, am, T, H, I, out1.p, nullptr, 16);
-    dense_down_tma(wm, am, T, H, I, out2.p, nullptr, 1);
-    dense_down_tma(wm, am, T, H, I, out3.p, nullptr, 1000);
-    gemm.linear(da.p, Dt::BF16, T, dw.p, Dt::BF16, H, I, ref.p, Dt::BF16, nullptr);
-    const auto o1 = out1.get(), o2 = out2.get(), o3 = out3.get();
-    const auto ha = from_bf16(to_bf16(a)), hw = from_bf16(to_bf16(w)), hr = from_bf16(ref.get());
-    const auto g1 = from_bf16(o1);
-    const std::string what = "T " + std::to_string(T) + " H " + std::to_string(H) + " I " + std::to_string(I);
-    std::vector<float> got, want, got_all(g1.begin(), g1.begin() + ptrdiff_t(size_t(T) * H));
-    for (int t = 0; t < T; t += 7)
-      for (int h = 0; h < H; ++h) {
-        double acc = 0;
-        for (int i = 0; i < I; ++i) acc += double(ha[size_t(t) * I + i]) * hw[size_t(h) * I + i];
-        want.push_back(float(acc));
-        got.push_back(g1[size_t(t) * H + h]);
-      }
-    EXPECT_LE(rel_err(got, want), 1e-2) << "vs CPU, " << what;
-    EXPECT_LE(rel_err(got_all, hr), 1e-2) << "vs cuBLASLt, " << what;
-    int64_t past_written = 0;
-    for (size_t j = size_t(T) * H; j < o1.size(); ++j) {
-      uint16_t b;
-      std::memcpy(&b, &o1[j], 2);
-      past_written += b != 0xFFFF;
-    }
-    EXPECT_EQ(past_written, 0) << "rows past T written, " << what;
-    EXPECT_EQ(std::memcmp(o1.data(), o2.data(), o1.size() * 2), 0) << "1 block vs 16, " << what;
-    EXPECT_EQ(std::memcmp(o1.data(), o3.data(), o1.size() * 2), 0) << "grid past the tiles vs 16, " << what;
-  }
-  EXPECT_ANY_THROW(dense_down_tma(TmaMap{}, TmaMap{}, 33, 256, 64, nullptr, nullptr, 4));
-}
-
 // The PDL contract of the TMA expert kernels: they may start while their predecessor still runs and stream their
 // weights then, but must read nothing the predecessor writes (token rows, row counts) and write nothing before
 // griddepcontrol.wait. The predecessor here (delayed_copy_for_test) triggers its dependents at once, sleeps, and only

@@ -42,7 +42,6 @@ struct BenchArgs {
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
   bool fused_experts = false;
-  int dense_down_tma = 0;  // 0: cuBLASLt; > 0: dense_down_tma on that many blocks
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
 };
@@ -107,8 +106,6 @@ int run_bench(const BenchArgs& args) {
   opt.expert_sms = args.expert_sms;
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
   opt.fused_experts = args.fused_experts;
-  opt.dense_down_tma = args.dense_down_tma > 0;
-  if (args.dense_down_tma > 0) opt.dense_down_tma_blocks = args.dense_down_tma;
   opt.tma_experts_grid = args.tma_grid;
   opt.tma_experts_stages = args.tma_stages;
   CudaScStats sc_stats;
@@ -151,7 +148,6 @@ int run_bench(const BenchArgs& args) {
   out["expert_sms"] = args.expert_sms;
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
   out["fused_experts"] = args.fused_experts;
-  out["dense_down_tma_blocks"] = args.dense_down_tma;
   out["tma_gather_rows"] = !args.no_tma_gather;
   out["dynamic_expert_tiles"] = opt.dynamic_expert_tiles;
   out["attention_splits"] = args.attn_splits;
@@ -362,10 +358,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "run the TMA expert kernels on this many SMs, beside the dense "
                                       "MLP (with --dense-mlp-sms; 0: all SMs)")
                            ->check(CLI::NonNegativeNumber);
-                       sub.add_option("--dense-down-tma", a->dense_down_tma,
-                                      "A/B: the dense MLP's down projection on the TMA expert kernel, on this many "
-                                      "blocks (CudaOptions::dense_down_tma; 0: cuBLASLt)")
-                           ->check(CLI::Range(0, 1024));
                        sub.add_flag("--fused-experts", a->fused_experts,
                                     "A/B: gate_up and down in one persistent TMA launch instead of gate_up then "
                                     "cuBLASLt's down GEMM (CudaOptions::fused_experts)");

@@ -181,14 +181,6 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
   add("GEMM dense down", std::to_string(T) + "x" + std::to_string(Id) + " . " + std::to_string(H) + "x" +
       std::to_string(Id) + "^T", 2.0 * (double(H) * Id + double(T) * (Id + H)), 2.0 * T * H * Id,
       [=, &gemm](cudaStream_t st) { gemm.linear(actd, Dt::BF16, T, ddn, Dt::BF16, H, Id, m1, Dt::BF16, st); });
-  if (cuda::experts_tma_supported(32, H, Id) && T % 32 == 0) {
-    const cuda::TmaMap ddn_map = cuda::tma_map_bf16_rows(ddn, H, Id, 64);
-    const cuda::TmaMap actd_map = cuda::tma_map_bf16_rows(actd, T, Id, 32);
-    for (int blocks : {32, 132})
-      add("dense down TMA, " + std::to_string(blocks) + " blocks (--dense-down-tma)", "as above, 2-stage blocks",
-          2.0 * (double(H) * Id + double(T) * (Id + H)), 2.0 * T * H * Id,
-          [=](cudaStream_t st) { cuda::dense_down_tma(ddn_map, actd_map, T, H, Id, m1, st, blocks); });
-  }
 
   // ---- router and assignment ----
   const int M = cuda::moe_padded_rows_per_expert(T, K, E);

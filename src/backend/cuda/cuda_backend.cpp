@@ -42,7 +42,6 @@ struct DevLayer {
   bf16 *kc, *vc;
   int64_t cap = 0;
   cuda::TmaMap exp_gu_map{}, exp_down_map{};  // over exp_gu / exp_down for the TMA expert kernels (use_tma_experts_)
-  cuda::TmaMap dense_down_map{};               // over dense_down for cuda::dense_down_tma (use_tma_dense_down_)
 };
 
 struct Scratch {
@@ -343,12 +342,6 @@ class CudaBackend final : public Backend {
         xs_map_ = cuda::tma_map_bf16_rows(s_.xs, int64_t(E) * M, H, M);
         acte_map_ = cuda::tma_map_bf16_rows(s_.acte, int64_t(E) * M, Ie, M);
       }  // else (not sm_90, or not 32 padded rows per expert): the cuBLASLt expert GEMMs
-      const int Id = cfg_.intermediate_size, Lc = cfg_.canvas_length;
-      use_tma_dense_down_ = use_tma_experts_ && opt_.dense_down_tma && Lc % 32 == 0 && Id % 64 == 0 && H % 128 == 0;
-      if (use_tma_dense_down_) {
-        for (DevLayer& L : layers_) L.dense_down_map = cuda::tma_map_bf16_rows(L.dense_down, H, Id, 64);
-        actd_map_ = cuda::tma_map_bf16_rows(s_.actd, Lc, Id, 32);
-      }
     }
     gemm_ = std::make_unique<cuda::Gemm>();
     // its own workspace: runs concurrently with gemm_
@@ -659,15 +652,11 @@ class CudaBackend final : public Backend {
   void gated_mlp(const bf16* x, int T, const bf16* gu, const bf16* down, int I, bf16* y) {
     gated_mlp_on(*gemm_, stream_, x, T, gu, down, I, y);
   }
-  // down_map (a layer's dense_down_map, canvas-sized passes only): the down projection on cuda::dense_down_tma.
   void gated_mlp_on(cuda::Gemm& g, cudaStream_t st, const bf16* x, int T, const bf16* gu, const bf16* down, int I,
-                    bf16* y, const cuda::TmaMap* down_map = nullptr) {
+                    bf16* y) {
     g.linear(x, Dt::BF16, T, gu, Dt::BF16, 2 * I, cfg_.hidden_size, s_.gu, Dt::BF16, st);
     cuda::gelu_mul(s_.gu, T, I, s_.actd, st);
-    if (down_map)
-      cuda::dense_down_tma(*down_map, actd_map_, T, cfg_.hidden_size, I, y, st, opt_.dense_down_tma_blocks);
-    else
-      g.linear(s_.actd, Dt::BF16, T, down, Dt::BF16, cfg_.hidden_size, I, y, Dt::BF16, st);
+    g.linear(s_.actd, Dt::BF16, T, down, Dt::BF16, cfg_.hidden_size, I, y, Dt::BF16, st);
   }
 
   void layer(int l, Pass pass, int T) {
@@ -735,10 +724,7 @@ class CudaBackend final : public Backend {
     if (overlap) {
       CUDA_CHECK(cudaEventRecord(fork_, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
-      // The map covers the canvas's rows: the TMA down only for canvas-sized passes.
-      const bool tma_dense = use_tma_dense_down_ && T == cfg_.canvas_length;
-      gated_mlp_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1,
-                   tma_dense ? &L.dense_down_map : nullptr);
+      gated_mlp_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
     } else {
       gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
     }
@@ -913,8 +899,6 @@ class CudaBackend final : public Backend {
   Scratch s_{};
   bool use_tma_experts_ = false;        // CudaOptions::tma_experts and experts_tma_supported at the canvas shape
   cuda::TmaMap xs_map_{}, acte_map_{};  // over the padded rows of s_.xs / s_.acte (box M rows)
-  cuda::TmaMap actd_map_{};             // over the canvas rows of s_.actd (box 32 rows), for dense_down_tma
-  bool use_tma_dense_down_ = false;
   int32_t* host_ids_ = nullptr;
   cuda::DeviceRowStats* host_stats_ = nullptr;
   int64_t kv_len_ = 0;

@@ -103,11 +103,6 @@ struct CudaOptions {
   // With dynamic_expert_tiles and the masked gate_up: gate_up and down as one persistent TMA launch
   // (cuda::moe_experts_fused_tma_masked) instead of gate_up then cuBLASLt's down GEMM. A/B: bench --fused-experts.
   bool fused_experts = false;
-  // With tma_experts and overlap_dense_mlp, canvas-sized passes: the dense MLP's down projection on
-  // cuda::dense_down_tma (dense_down_tma_blocks blocks of 42 KB, which fit beside the expert kernels' blocks) instead
-  // of cuBLASLt's GEMM (whose blocks wait for the expert kernels' to leave). A/B: bench --dense-down-tma [BLOCKS].
-  bool dense_down_tma = false;
-  int dense_down_tma_blocks = 32;
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
   // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)
   // instead of the dense GEMM of the probs through the whole [V, H] table (~0.58 ms). The step falls back to the

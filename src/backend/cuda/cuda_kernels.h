@@ -243,12 +243,6 @@ void moe_gate_up_padded_tma_masked(const TmaMap& w, const bf16* x, const unsigne
                                    int I, bf16* act, cudaStream_t s, const TmaExpertsPlan& plan = {});
 void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
                          cudaStream_t s, const TmaExpertsPlan& plan = {});
-// A dense down projection on the TMA expert kernel: out[T, H] (bf16) = act[T, I] . W[H, I]^T (f32 accumulation,
-// one rounding), the T rows taken as T / 32 groups of 32 that share W (L2 evict-last), on `blocks` blocks of a 2-stage
-// ring (42 KB of shared memory: they fit on an SM beside two blocks of the expert kernels, where cuBLASLt's blocks do
-// not). w: tma_map_bf16_rows(W, H, I, 64); act: tma_map_bf16_rows(act, T, I, 32). T % 32 == 0, H % 128 == 0,
-// I % 64 == 0.
-void dense_down_tma(const TmaMap& w, const TmaMap& act, int T, int H, int I, bf16* out, cudaStream_t s, int blocks);
 // gate_up (as moe_gate_up_padded_tma_masked) and down (as moe_down_padded_tma on its act) in one persistent launch:
 // the tiles of both come from one counter, gate_up's first, so blocks that run out of gate_up tiles go on to down
 // tiles instead of idling through gate_up's last round and the launch gap before a separate down GEMM. A down tile of

@@ -59,8 +59,6 @@ constexpr int kThreads = 160;
 // one block per SM of 8 stages (160 KB: no second block fits, so a grid of n blocks stays on n SMs) when it leaves
 // SMs to a concurrent stream.
 constexpr int kStagesShared = 4, kStagesShared3 = 3, kStagesShared5 = 5, kStagesOwn = 8;
-// 2 stages (42 KB): a block small enough to run beside two 4-stage blocks of another expert launch (dense_down_tma).
-constexpr int kStagesSmall = 2;
 // alignment slack, the ring, its full and empty barriers (8 bytes each), and a tile slot per stage (GATHER: the
 // tile and its row count)
 constexpr int smem_bytes(int stages) { return 1024 + stages * kStageBytes + stages * 16 + stages * 8; }
@@ -128,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
                   int l2_prefetch_slices, const bf16* __restrict__ xg, const int32_t* __restrict__ slot_token,
-                  unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words, bool shared_w) {
+                  unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
   static_assert(!FUSED || (GATED && GATHER), "the fused kernel is the gathered gate_up followed by down");
 #if defined(DG_EXPERTS_TMA)
@@ -149,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       row_b = row_a + 64;
       return;
     }
-    const int e = shared_w ? 0 : tile / tiles_n, nt = tile % tiles_n;
+    const int e = tile / tiles_n, nt = tile % tiles_n;
     row_a = e * rows_per_expert + nt * (GATED ? 64 : 128);
     row_b = row_a + (GATED ? I : 64);
   };
@@ -345,13 +343,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane != 0) return;
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmW)) : "memory");
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmX)) : "memory");
-    // The weights are read once per pass (evict first), except shared ones (shared_w: every token group reads them);
-    // the token box is re-read by the expert's other tiles.
-    uint64_t evict_first;
-    if (shared_w)
-      asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(evict_first));
-    else
-      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
+    uint64_t evict_first;  // the weights are read once per pass; the token box is re-read by the expert's other tiles
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
     uint64_t evict_normal;
     asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(evict_normal));
 
@@ -389,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t it = 0;  // stage use counter across tiles, as the consumer's
     for (int tile = first; tile < n_tiles; tile += int(gridDim.x)) {
       const int e = tile / tiles_n;
-      if (tile != first && rows && __ldcg(rows + e) <= 0) continue;
+      if (tile != first && __ldcg(rows + e) <= 0) continue;
       int row_a, row_b;
       weight_rows(tile, row_a, row_b);
       for (int kt = 0; kt < nk; ++kt, ++it) {
@@ -426,8 +419,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       cnt = ld_shared_s32(slot0 + 8 * s + 4);
     } else {
       if (tile >= n_tiles) break;
-      // .cg: L2, never a stale L1 / non-coherent line of a grid we overlapped. No rows: every group holds kTok.
-      cnt = rows ? __ldcg(rows + tile / tiles_n) : kTok;
+      cnt = __ldcg(rows + tile / tiles_n);  // .cg: L2, never a stale L1 / non-coherent line of a grid we overlapped
       if (tile != first && cnt <= 0) {  // the first tile is consumed regardless (its stages were issued)
         tile += int(gridDim.x);
         continue;
@@ -472,12 +464,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           const size_t row = size_t(e) * kTok + tok;
           if (GATED && !down) {
             act[row * I + nt * 64 + r] = __float2bfloat16(gelu_tanh(d0[idx]) * d1[idx]);
-          } else if (y) {
+          } else {
             y[row * H + nt * 128 + r] = d0[idx];
             y[row * H + nt * 128 + 64 + r] = d1[idx];
-          } else {  // down without y: bf16 rows of width H into act (dense_down_tma)
-            act[row * H + nt * 128 + r] = __float2bfloat16(d0[idx]);
-            act[row * H + nt * 128 + 64 + r] = __float2bfloat16(d1[idx]);
           }
         }
     if (FUSED && !down && cnt > 0) {  // release this warp's act stores to the down tiles' producers
@@ -525,8 +514,7 @@ bool experts_tma_supported(int M, int H, int I) {
                              std::pair{experts_tma_k<true, kStagesShared, true, true>, kStagesShared},
                              std::pair{experts_tma_k<true, kStagesShared3, true, true>, kStagesShared3},
                              std::pair{experts_tma_k<true, kStagesShared5, true, true>, kStagesShared5},
-                             std::pair{experts_tma_k<true, kStagesOwn, true, true>, kStagesOwn},
-                             std::pair{experts_tma_k<false, kStagesSmall>, kStagesSmall}})
+                             std::pair{experts_tma_k<true, kStagesOwn, true, true>, kStagesOwn}})
       CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(stages)));
     return true;
   }();
@@ -556,8 +544,7 @@ namespace {
 template <bool GATED, bool GATHER, bool FUSED = false>
 void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, int E, int H, int I, bf16* act,
                         float* y, const TmaExpertsPlan& plan, cudaStream_t s, const bf16* xg = nullptr,
-                        const int32_t* slot_token = nullptr, const unsigned* masks = nullptr, int mask_words = 0,
-                        bool shared_w = false) {
+                        const int32_t* slot_token = nullptr, const unsigned* masks = nullptr, int mask_words = 0) {
   const int tiles = E * (GATED ? I / 64 : H / 128);
   if (tiles == 0) return;
   CUtensorMap mw, mx;
@@ -568,14 +555,12 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   // first stages' weights before griddepcontrol.wait (see the kernel).
   auto go = [&](auto kernel, int stages, int grid) {
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
-               act, y, pf, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks, mask_words, shared_w);
+               act, y, pf, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks, mask_words);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
-    const int per_sm = plan.stages == kStagesShared3 ? 3 : plan.stages == kStagesSmall ? 4 : 2;  // blocks an SM holds
+    const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;  // blocks that fit an SM's shared memory
     const int grid = std::min(tiles, plan.grid > 0 ? std::min(plan.grid, per_sm * sm_count()) : 2 * sm_count());
-    if (plan.stages == kStagesSmall)
-      go(experts_tma_k<GATED, kStagesSmall, GATHER, FUSED>, kStagesSmall, grid);
-    else if (plan.stages == kStagesShared3)
+    if (plan.stages == kStagesShared3)
       go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED>, kStagesShared3, grid);
     else if (plan.stages == kStagesShared5)
       go(experts_tma_k<GATED, kStagesShared5, GATHER, FUSED>, kStagesShared5, grid);
@@ -640,16 +625,6 @@ void moe_gate_up_padded_tma_masked(const TmaMap& w, const bf16* x, const unsigne
 void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
                          cudaStream_t s, const TmaExpertsPlan& plan) {
   launch_experts_tma<false, false>(w, act, rows, E, H, I, nullptr, y, plan, s);
-}
-
-void dense_down_tma(const TmaMap& w, const TmaMap& act, int T, int H, int I, bf16* out, cudaStream_t s,
-                    int blocks) {
-  if (T % kTok != 0 || T <= 0 || H % 128 != 0 || I % kBK != 0)
-    throw_cuda_error("dense_down_tma", "T must be a positive multiple of 32, H of 128 and I of 64", 0, __FILE__,
-                     __LINE__);
-  launch_experts_tma<false, false>(w, act, nullptr, T / kTok, H, I, out, nullptr,
-                                   TmaExpertsPlan{.grid = std::max(1, blocks), .stages = kStagesSmall}, s, nullptr,
-                                   nullptr, nullptr, 0, /*shared_w=*/true);
 }
 
 void moe_experts_fused_tma_masked(const TmaMap& w_gate_up, const TmaMap& w_down, const bf16* x,
