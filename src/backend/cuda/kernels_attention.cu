@@ -783,9 +783,10 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wg_k(AttentionArgs a, S
 
 // ---- warp-specialized wgmma path (sm_90a), D = 256 ----------------------------------------------------------------
 // attention_ws_k: attention_wg_k's math (same tiles, same pipeline per warpgroup, same softmax, same split: bitwise
-// the same results), but a block of 3 warpgroups: warpgroup 0 only loads (Q, then K one tile ahead of V, 16-byte
-// cp.async) and signals "full" mbarriers; warpgroups 1 and 2 (64 rows each) only compute, each on its own (no block
-// barrier in the loop), and arrive on "empty" mbarriers (one arrive per warp) once their wgmmas have read a stage.
+// the same results), but a block of 3 warpgroups: warpgroup 0 only loads (K one tile ahead of V, 16-byte
+// cp.async) and signals "full" mbarriers; warpgroups 1 and 2 (64 rows each) load their own Q rows first, then only
+// compute, each on its own (no block barrier in the loop), and arrive on "empty" mbarriers (one arrive per warp) once
+// their wgmmas have read a stage.
 // setmaxnreg: consumers kWsConsRegs, producer kWsProdRegs (its loads run unrolled 1 so that it does not spill). Each
 // producer thread signals a load only after cp.async.wait_group and fence.proxy.async (its own copies landed and are
 // visible to the tensor cores' proxy), one load behind the last one issued. NK K stages (2 or 3; V has 2). SW: the
@@ -802,7 +803,7 @@ struct WsCfg {
   static constexpr int BM = 128, BN = 64, RS = D * 16;
   static constexpr size_t q_bytes = size_t(BM) * D * 2, kv_bytes = size_t(BN) * D * 2;
   static constexpr size_t bar_off = q_bytes + size_t(NK + 2) * kv_bytes;
-  static constexpr size_t smem = bar_off + 8 * (2 * NK + 5);
+  static constexpr size_t smem = bar_off + 8 * (2 * NK + 4);
 };
 
 // load_tile / load_q_tile for NTH threads: chunk i = t + NTH k of a ROWS x W tile -> row r, 16-byte column chunk c8,
@@ -850,9 +851,11 @@ __device__ __forceinline__ void ws_load_tile(unsigned char* dst, const bf16* cac
 // The (query, head) of row gr is (gr / g, gr % g): shifts when g is a power of two (the model's groups of 2 and 8),
 // since an integer division per 16-byte chunk held up the Q load, the first thing every consumer waits for (ncu
 // source view: consumers waiting on the Q barrier were ~13% of the sliding kernel's stall samples).
+// half >= 0: only the tile's rows half .. half + 63 (a consumer warpgroup's own), each of the NTH threads taking every
+// NTH-th chunk of the whole tile and skipping the other half's.
 template <bool SW, int W, int NTH>
 __device__ __forceinline__ void ws_load_q(unsigned char* dst, const AttentionArgs& a, int D, int kvh, int g,
-                                          int col0, int m0, int rows_total, int t) {
+                                          int col0, int m0, int rows_total, int t, int half = -1) {
   constexpr int kChunks = 128 * W / 8 / NTH;
   const bool pow2 = (g & (g - 1)) == 0;
   const int gs = __ffs(g) - 1;
@@ -860,6 +863,7 @@ __device__ __forceinline__ void ws_load_q(unsigned char* dst, const AttentionArg
   for (int k = 0; k < kChunks; ++k) {
     int r, c8, off;
     ws_rc<SW, W, 128>(t + NTH * k, r, c8, off);
+    if (half >= 0 && (r < half || r >= half + 64)) continue;
     const int gr = m0 + r;
     const bool ok = gr < rows_total;
     const bf16* src = a.q;
@@ -910,25 +914,22 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
   auto empty_k = [&](int s) { return bars + 8u * uint32_t(NK + s); };
   auto full_v = [&](int s) { return bars + 8u * uint32_t(2 * NK + s); };
   auto empty_v = [&](int s) { return bars + 8u * uint32_t(2 * NK + 2 + s); };
-  const uint32_t full_q = bars + 8u * uint32_t(2 * NK + 4);
   if (tid == 0) {
     for (int s = 0; s < NK; ++s) mbar_init(full_k(s), 128), mbar_init(empty_k(s), 8);
     for (int s = 0; s < 2; ++s) mbar_init(full_v(s), 128), mbar_init(empty_v(s), 8);
-    mbar_init(full_q, 128);
   }
   __syncthreads();
 
   if (tid < 128) {  // ---- producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProdRegs));
     const int64_t fp_mod = a.first_pos % a.cap;
-    ws_load_q<SW, D, 128>(smem, a, D, kvh, g, 0, m0, rows_total, tid);
-    cp_async_commit();
-    uint32_t pend = full_q;  // the barrier of the last load issued, signalled after the next one is issued
+    // Q is loaded by the consumers themselves (below), so the first K tile goes out at once.
+    uint32_t pend = 0;  // the barrier of the last load issued, signalled after the next one is issued
     auto signal = [&](uint32_t next) {
       cp_async_commit();
       cp_async_wait<1>();
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      mbar_arrive(pend);
+      if (pend) mbar_arrive(pend);
       pend = next;
     };
     if (ntiles > 0) {
@@ -952,7 +953,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
     }
     cp_async_wait<0>();
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    mbar_arrive(pend);
+    if (pend) mbar_arrive(pend);
   } else {  // ---- consumer warpgroups
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsRegs));
     const int ct = tid - 128, warp = ct >> 5, lane = ct & 31, grp = lane >> 2, tig = lane & 3;
@@ -977,7 +978,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
                            : wg_desc(base + uint32_t(rbase / 8) * RS, 128, RS);
     const uint32_t v_lbo = SW ? 8192u : kVLbo, v_sbo = SW ? 1024u : kVSbo;
     constexpr int kVStep = SW ? 2048 / 16 : 2 * RS / 16;  // descriptor step of 16 keys
-    mbar_wait_cta(full_q, 0);
+    // Each warpgroup loads its own 64 Q rows while the producer starts on K (the producer loading all of Q first
+    // kept every consumer waiting through the Q load and the first K tile's issue: ~13% of the stall samples), then
+    // makes them visible to its wgmma reads: its own copies landed, the proxy fence, a barrier of its 128 threads.
+    ws_load_q<SW, D, 128>(smem, a, D, kvh, g, 0, m0, rows_total, ct & 127, rbase);
+    cp_async_commit();
+    cp_async_wait<0>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg) : "memory");
     if constexpr (kWsPingPong) {  // warpgroup 0 goes first
       if (wg == 1) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
     }
