@@ -9,13 +9,8 @@
 # lines with the most stall samples), ncu_source.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-DIST=${DIST:-build-gpu-dist}
-OUT=${OUT:-/tmp/diffgemma-out}
-mkdir -p "$OUT"
-NCU=$(find /opt/nvidia /usr/local/cuda*/ -name ncu -type f -path '*x64*' 2>/dev/null | head -1)
-[ -z "$NCU" ] && NCU=$(find /opt/nvidia /usr/local/cuda*/ -name ncu -type f 2>/dev/null | head -1)
-cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublasLt.so.13*' 2>/dev/null | head -1)
-LIBS="$PWD/$DIST/lib:$(dirname "${cublas:-/nonexistent/x}")"
+# shellcheck source=tools/gpu/ncu_env.sh
+source tools/gpu/ncu_env.sh
 BENCH=${BENCH:-"bench --contexts 4096 --prefill 256 --fixed-steps 0 --reps 1 --no-graphs"}
 rm -f /tmp/ncu_source.ncu-rep
 # shellcheck disable=SC2086

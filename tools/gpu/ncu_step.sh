@@ -13,17 +13,8 @@
 # First run in session 6 (docs/BENCHMARKS.md): four families with NCU_COUNT=6 took well under a minute.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-DIST=${DIST:-build-gpu-dist}
-OUT=${OUT:-/tmp/diffgemma-out}
-mkdir -p "$OUT"
-NCU=$(find /opt/nvidia /usr/local/cuda*/ -name ncu -type f -path '*x64*' 2>/dev/null | head -1)
-[ -z "$NCU" ] && NCU=$(find /opt/nvidia /usr/local/cuda*/ -name ncu -type f 2>/dev/null | head -1)
-if [ -z "$NCU" ]; then
-  echo "ncu_step.sh: no ncu binary under /opt/nvidia or /usr/local/cuda*" | tee "$OUT/ncu_summary.txt"
-  exit 1
-fi
-cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublasLt.so.13*' 2>/dev/null | head -1)
-LIBS="$PWD/$DIST/lib:$(dirname "${cublas:-/nonexistent/x}")"
+# shellcheck source=tools/gpu/ncu_env.sh
+source tools/gpu/ncu_env.sh
 KERNELS=${KERNELS:-"experts_tma_k;nvjet_sm90_tss_128x32;attention_ws_k|attention_combine_k;attention_wgx_k;router_partials_k|router_route_k|moe_combine_ffn|add_rms_norm_pre_ffn"}
 BENCH=${BENCH:-"bench --contexts 4096 --prefill 256 --fixed-steps 0 --reps 1 --no-graphs"}
 METRICS=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,\
