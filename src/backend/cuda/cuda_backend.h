@@ -102,6 +102,8 @@ struct CudaOptions {
   int tma_experts_stages = 4;
   // With dynamic_expert_tiles and the masked gate_up: gate_up and down as one persistent TMA launch
   // (cuda::moe_experts_fused_tma_masked) instead of gate_up then cuBLASLt's down GEMM. A/B: bench --fused-experts.
+  // Off: 15 us a layer faster on its own chain, but the side stream's dense down GEMM and the assignment then wait for
+  // its end, and the step was 0.05-0.2 ms slower (docs/BENCHMARKS.md, session 7).
   bool fused_experts = false;
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
   // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)
