@@ -67,34 +67,34 @@ static_assert(kStageBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte align
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DG_EXPERTS_TMA 1
 using namespace hopper;
-// Waits for the phase of parity `parity`. A lost TMA transaction would otherwise hang the process with the GPU busy;
-// after 10 s the kernel traps instead (a launch error the caller reports).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+// Spins until ready() holds. A lost TMA transaction or count would otherwise hang the process with the GPU busy:
+// after 10 s (the clock read every kCheckMask + 1 spins) the kernel traps instead, a launch error the caller reports.
+template <uint32_t kCheckMask, class Ready>
+__device__ __forceinline__ void spin_until(Ready ready) {
   uint64_t t0 = 0;
   for (uint32_t spin = 0;; ++spin) {
-    if (mbar_try_wait(bar, parity)) return;
-    if ((spin & 1023u) == 0) {
+    if (ready()) return;
+    if ((spin & kCheckMask) == 0) {
       const uint64_t t = globaltimer();
       if (spin == 0) t0 = t;
       else if (t - t0 > 10000000000ull) __trap();
     }
   }
 }
+// Waits for the phase of parity `parity`.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  spin_until<1023u>([&] { return mbar_try_wait(bar, parity); });
+}
 // The fused kernel's wait for a count (ld.acquire: the writes released before the count's increments are visible to
-// this thread's loads after it); traps after 10 s, as mbar_wait.
+// this thread's loads after it).
 __device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
-  uint64_t t0 = 0;
-  for (uint32_t spin = 0;; ++spin) {
+  spin_until<255u>([&] {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    if (v >= target) return;
+    if (v >= target) return true;
     __nanosleep(100);
-    if ((spin & 255u) == 0) {
-      const uint64_t t = globaltimer();
-      if (spin == 0) t0 = t;
-      else if (t - t0 > 10000000000ull) __trap();
-    }
-  }
+    return false;
+  });
 }
 #endif
 
@@ -194,11 +194,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t it = 0, pend = 0;
     bool have_pend = false;
     const int swz = (ln & 7) * 16;  // 128-byte swizzle: 16-byte chunk c of row ln sits at chunk c ^ (ln & 7)
-    // Expert e's rows (cnt, at most 32) and, for lane ln, the token of its slot ln (-1 past cnt).
-    auto slot_token_of = [&](int e, int& cnt) {
+    // Expert e's rows (cnt, at most 32) and, with `token`, for lane ln the token of its slot ln (-1 past cnt).
+    auto slot_token_of = [&](int e, int& cnt, bool token) {
       if (!masks) {
         cnt = __ldcg(rows + e);
-        return ln < cnt ? __ldcg(slot_token + e * kTok + ln) : -1;
+        return token && ln < cnt ? __ldcg(slot_token + e * kTok + ln) : -1;
       }
       const unsigned word = ln < mask_words ? __ldcg(masks + size_t(e) * mask_words + ln) : 0u;
       const int pc = __popc(word);
@@ -209,6 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (ln >= o) incl += v;
       }
       cnt = min(__shfl_sync(0xffffffffu, incl, 31), kTok);
+      if (!token) return -1;
       int tok = -1;
       for (int w = 0; w < mask_words; ++w) {  // the word that holds set bit number ln, then the bit
         unsigned bits = __shfl_sync(0xffffffffu, word, w);
@@ -232,27 +233,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int e = expert_of(tile);
       const bool down = is_down(tile);
       int cnt = 0;
-      int tok = slot_token_of(e, cnt);
+      // A down tile's rows are the expert's own act rows, slot ln in row ln: only the count is wanted.
+      const int tok = slot_token_of(e, cnt, !down);
+      const int src_row = down ? (ln < cnt ? ln : -1) : tok;  // -1: a padding slot, zero-filled
       if (cnt <= 0 && tile != first) continue;  // an expert without rows: no reads (its first tile is run regardless)
       int row_a, row_b;
       weight_rows(tile, row_a, row_b);
-      const bf16* src = xg + (tok >= 0 ? size_t(tok) * size_t(H) : 0);
-      if (FUSED && down) {
+      const bf16* src = down ? act + (size_t(e) * kTok + size_t(src_row >= 0 ? src_row : 0)) * size_t(I)
+                             : xg + (tok >= 0 ? size_t(tok) * size_t(H) : 0);
+      if (down && cnt > 0) {
         // The expert's activation rows, once every gate_up tile of the expert is stored (the consumer warps count
         // them in expert_done with release semantics; this acquire pairs with them). Each lane waits for itself:
         // its own cp.async reads below are then ordered after the acquire. The stage still pending its arrival goes
         // first: this block's own consumers may be on one of those gate_up tiles, and they need it to finish.
-        tok = ln < cnt ? ln : -1;
-        src = act + (size_t(e) * kTok + size_t(tok >= 0 ? tok : 0)) * size_t(I);
-        if (cnt > 0) {
-          if (have_pend) {
-            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            mbar_arrive(pend);
-            have_pend = false;
-          }
-          wait_count(expert_done + e, gate_done);
+        if (have_pend) {
+          asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          mbar_arrive(pend);
+          have_pend = false;
         }
+        wait_count(expert_done + e, gate_done);
       }
       const int tile_nk = slices_of(tile);
       for (int kt = 0; kt < tile_nk; ++kt, ++it) {
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < 8; ++c) {
           const uint32_t dst = xrow + (uint32_t(c * 16) ^ uint32_t(swz));
           asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(srow + c * 8),
-                       "r"(tok >= 0 ? 16 : 0)
+                       "r"(src_row >= 0 ? 16 : 0)
                        : "memory");
         }
         asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -298,11 +298,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncwarp();
     mbar_arrive(full0 + 8 * s);
-    unsigned order = blockIdx.x;  // this block's place among the blocks that ran out of tiles
+    bool last = false;  // the last block to run out of tiles
     if (tile_ctr && leader) {  // every fetch of this block is done; the last block resets the counters
       __threadfence();
-      order = atomicAdd(tile_ctr + 1, 1u);
-      if (order == gridDim.x - 1) {
+      last = atomicAdd(tile_ctr + 1, 1u) == gridDim.x - 1;
+      if (last) {
         atomicExch(tile_ctr, 0u);
         atomicExch(tile_ctr + 1, 0u);
       }
@@ -311,8 +311,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // The last block also zeroes expert_done. Every count has its final value by now: each expert with rows has
       // down tiles, whose producers (all finished before this block's count above) waited for all its gate_up
       // tiles; experts without rows are never counted.
-      order = __shfl_sync(0xffffffffu, order, 0);
-      if (order == gridDim.x - 1)
+      if (__shfl_sync(0xffffffffu, last, 0))
         for (int e = ln; e < E; e += 32) atomicExch(expert_done + e, 0u);
     }
   };

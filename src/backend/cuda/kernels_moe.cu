@@ -705,15 +705,7 @@ bool g_router_tc = false;  // set_router_tensor_cores (off until a GPU A/B says 
 
 void set_router_tensor_cores(bool on) { g_router_tc = on; }
 
-bool router_tensor_cores() {
-  static const bool capable = [] {
-    int dev = 0, major = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    return major >= 8;
-  }();
-  return g_router_tc && capable;
-}
+bool router_tensor_cores() { return g_router_tc && compute_major() >= 8; }
 
 size_t router_partial_floats(int T, int H) { return size_t(router_split(T, H).splits) * size_t(T) * kRtExp; }
 
@@ -737,10 +729,8 @@ void router_top_k_stage(RouterStage stage, const float* x, int T, int H, const f
   const RouterSplit sp = router_split(T, H);
   const RouterArgs a{x, W, per_expert_scale, T, H, E, k, partial, logits, idx, w, expert_masks};
   if (stage == RouterStage::Partials) {
-    if (router_tensor_cores())
-      launch_pdl(router_partials_k<true>, dim3(unsigned(sp.tiles), unsigned(sp.splits)), dim3(kRtThreads), 0, s, a);
-    else
-      launch_pdl(router_partials_k<false>, dim3(unsigned(sp.tiles), unsigned(sp.splits)), dim3(kRtThreads), 0, s, a);
+    launch_pdl(router_tensor_cores() ? router_partials_k<true> : router_partials_k<false>,
+               dim3(unsigned(sp.tiles), unsigned(sp.splits)), dim3(kRtThreads), 0, s, a);
   } else {
     launch_pdl(router_route_k, dim3(unsigned((T + kRouteTokens - 1) / kRouteTokens)), dim3(32 * kRouteWarps), 0, s,
                a, sp.splits);

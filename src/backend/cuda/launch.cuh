@@ -34,16 +34,24 @@ inline int sm_count() {
   return n;
 }
 
+// Compute capability major of the current device (read once).
+inline int compute_major() {
+  static const int major = [] {
+    int dev = 0, m = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev));
+    return m;
+  }();
+  return major;
+}
+
 // Whether `kernel` runs from its sm_90a image here (an sm_90 device, and the binary carries that image): the
 // wgmma / TMA kernels are compiled out of every other image.
 template <class Kernel>
 bool sm90a_image_of(Kernel kernel) {
-  int dev = 0, major = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   cudaFuncAttributes fa{};
   CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-  return major == 9 && fa.binaryVersion == 90;
+  return compute_major() == 9 && fa.binaryVersion == 90;
 }
 
 // kernel<<<grid, block, smem, s>>>(args...) with the PDL attribute (and cluster dimensions when cluster_x > 1).
