@@ -23,27 +23,20 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-// Streaming multiprocessors of the current device (read once).
-inline int sm_count() {
-  static const int n = [] {
-    int dev = 0, sms = 0;
+// Attribute A of the current device (read once).
+template <cudaDeviceAttr A>
+inline int device_attribute() {
+  static const int v = [] {
+    int dev = 0, x = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    return sms;
+    CUDA_CHECK(cudaDeviceGetAttribute(&x, A, dev));
+    return x;
   }();
-  return n;
+  return v;
 }
-
-// Compute capability major of the current device (read once).
-inline int compute_major() {
-  static const int major = [] {
-    int dev = 0, m = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev));
-    return m;
-  }();
-  return major;
-}
+// Streaming multiprocessors / compute capability major of the current device.
+inline int sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(); }
+inline int compute_major() { return device_attribute<cudaDevAttrComputeCapabilityMajor>(); }
 
 // Whether `kernel` runs from its sm_90a image here (an sm_90 device, and the binary carries that image): the
 // wgmma / TMA kernels are compiled out of every other image.
