@@ -170,7 +170,9 @@ __device__ __forceinline__ float gelu_tanh(float x) {  // same formula as src/ba
 // (gate_up: rows_per_expert = 2I, K = H; down: rows_per_expert = H, K = I), box {64, 64}; tmX over the padded token
 // rows [E * 32, K], box {64, 32}. Tile t = e * tiles_n + nt (expert-major). GATED: act[e][tok][nt*64 + r] (bf16,
 // row length I); else y[e][tok][nt*128 + r] (f32, row length H). Only token rows < counts[e] are written.
-template <int STAGES, bool GATED, bool TILED>
+// PROBE (timing only, wrong results; what bounds the ring): bit 0 drops the token box after the first STAGES loads
+// (so the weights alone cross L2 -> shared memory), bit 1 drops the wgmmas (the consumer only waits and frees).
+template <int STAGES, bool GATED, bool TILED, int PROBE = 0>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_wgmma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                     const int32_t* __restrict__ counts, int K, bf16* __restrict__ act, float* __restrict__ y) {
@@ -217,7 +219,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t round = it / STAGES;
         mbar_wait(empty0 + 8 * s, (round & 1u) ^ 1u, s, 1, it);  // round 0: passes at once (fresh barrier)
         const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
-        mbar_arrive_expect_tx(full, kStageBytes);
+        const bool load_x = (PROBE & 1) == 0 || it < uint32_t(STAGES);
+        mbar_arrive_expect_tx(full, load_x ? kStageBytes : 2 * kWBoxBytes);
         if constexpr (TILED) {
           // Repacked weights: the stage's 128 rows x 64 k are 16 KB contiguous, tiles and k slices in stream order.
           tma_load_2d(st, &tmW, 0, (tile * nk + kt) * 128, full, evict_first);
@@ -225,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           tma_load_2d(st, &tmW, kt * kBK, row_a, full, evict_first);
           tma_load_2d(st + kWBoxBytes, &tmW, kt * kBK, row_b, full, evict_first);
         }
-        tma_load_2d(st + 2 * kWBoxBytes, &tmX, kt * kBK, e * kT, full);
+        if (load_x) tma_load_2d(st + 2 * kWBoxBytes, &tmX, kt * kBK, e * kT, full);
       }
     }
     return;
@@ -247,16 +250,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncwarp();  // the spin above may leave the warp diverged; wgmma is .sync.aligned
       const uint32_t st = base + uint32_t(s) * kStageBytes;
       const uint64_t da = desc_sw128(st), db = desc_sw128(st + kWBoxBytes), dx = desc_sw128(st + 2 * kWBoxBytes);
-      fence_acc(acc0), fence_acc(acc1);
-      wgmma_fence();  // prior register writes to the accumulators are ordered before the wgmmas read them
+      if constexpr ((PROBE & 2) == 0) {
+        fence_acc(acc0), fence_acc(acc1);
+        wgmma_fence();  // prior register writes to the accumulators are ordered before the wgmmas read them
 #pragma unroll
-      for (int j = 0; j < kBK / 16; ++j) {
-        wgmma_m64n32k16(acc0, da + 2 * j, dx + 2 * j);  // +2 in the encoded address = +32 B = +16 bf16 along k
-        wgmma_m64n32k16(acc1, db + 2 * j, dx + 2 * j);
+        for (int j = 0; j < kBK / 16; ++j) {
+          wgmma_m64n32k16(acc0, da + 2 * j, dx + 2 * j);  // +2 in the encoded address = +32 B = +16 bf16 along k
+          wgmma_m64n32k16(acc1, db + 2 * j, dx + 2 * j);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();  // this stage's smem reads are done after this; the math is far from the bottleneck
+        fence_acc(acc0), fence_acc(acc1);
       }
-      wgmma_commit();
-      wgmma_wait<0>();  // this stage's smem reads are done after this; the math is far from the bottleneck
-      fence_acc(acc0), fence_acc(acc1);
       __syncwarp();
       if (lane == 0) mbar_arrive(empty0 + 8 * s);  // 4 arrivals (one per warp) free the stage
     }
@@ -313,9 +318,9 @@ CUtensorMap make_map(const bf16* p, uint64_t rows, uint64_t cols, uint32_t box_r
   return m;
 }
 
-template <int S, bool G, bool T>
+template <int S, bool G, bool T, int P = 0>
 void launch(const CUtensorMap& tw, const CUtensorMap& tx, const int32_t* counts, int grid, bf16* act, float* y) {
-  experts_wgmma_k<S, G, T><<<grid, kThreads, smem_bytes(S)>>>(tw, tx, counts, G ? kH : kI, act, y);
+  experts_wgmma_k<S, G, T, P><<<grid, kThreads, smem_bytes(S)>>>(tw, tx, counts, G ? kH : kI, act, y);
 }
 // Repack [E][rows_per_expert][K] weights into stream order: for tile (e, nt) and k slice kt, 128 rows x 64 k
 // contiguous (gate_up: 64 gate rows then the matching 64 up rows; down: 128 consecutive rows).
@@ -345,17 +350,24 @@ struct Variant {
   void (*dn)(const CUtensorMap&, const CUtensorMap&, const int32_t*, int, bf16*, float*);
   int occ_gu = 0, occ_dn = 0;  // resident blocks per SM
   bool tiled = false;
+  int probe = 0;  // timing-only PROBE variant: not checked
 };
-template <int S, bool T = false>
+template <int S, bool T = false, int P = 0>
 Variant variant(bool persistent) {
-  CK(cudaFuncSetAttribute(experts_wgmma_k<S, true, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(S)));
-  CK(cudaFuncSetAttribute(experts_wgmma_k<S, false, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(S)));
-  char name[32];  // (snprintf: GCC 12 -Wrestrict misfires on "s" + std::to_string)
-  std::snprintf(name, sizeof name, "%ss%d-%s", T ? "tiled-" : "", S, persistent ? "persist" : "grid");
-  Variant v{name, S, persistent, launch<S, true, T>, launch<S, false, T>};
+  CK(cudaFuncSetAttribute(experts_wgmma_k<S, true, T, P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          smem_bytes(S)));
+  CK(cudaFuncSetAttribute(experts_wgmma_k<S, false, T, P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          smem_bytes(S)));
+  char name[48];  // (snprintf: GCC 12 -Wrestrict misfires on "s" + std::to_string)
+  std::snprintf(name, sizeof name, "%ss%d-%s%s%s", T ? "tiled-" : "", S, persistent ? "persist" : "grid",
+                P & 1 ? "-noX" : "", P & 2 ? "-noMMA" : "");
+  Variant v{name, S, persistent, launch<S, true, T, P>, launch<S, false, T, P>};
   v.tiled = T;
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.occ_gu, experts_wgmma_k<S, true, T>, kThreads, smem_bytes(S)));
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.occ_dn, experts_wgmma_k<S, false, T>, kThreads, smem_bytes(S)));
+  v.probe = P;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.occ_gu, experts_wgmma_k<S, true, T, P>, kThreads,
+                                                   smem_bytes(S)));
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.occ_dn, experts_wgmma_k<S, false, T, P>, kThreads,
+                                                   smem_bytes(S)));
   return v;
 }
 
@@ -657,7 +669,9 @@ int main(int argc, char** argv) {
   std::vector<Variant> vars;
   for (Variant v : {variant<4>(false), variant<10>(false), variant<4>(true), variant<4, true>(false),
                     variant<3, true>(false), variant<5, true>(false), variant<8, true>(false), variant<10, true>(false),
-                    variant<4, true>(true), variant<5, true>(true), variant<10, true>(true)})
+                    variant<4, true>(true), variant<5, true>(true), variant<10, true>(true),
+                    variant<4, false, 1>(true), variant<4, false, 2>(true), variant<4, false, 3>(true),
+                    variant<4, true, 1>(true)})
     if (argc < 2 || v.name.find(argv[1]) != std::string::npos) vars.push_back(v);  // optional name filter
   const int tiles_gu = kE * (kI / 64), tiles_dn = kE * (kH / 128);
   cudaEvent_t e0, e1;
@@ -700,6 +714,11 @@ int main(int argc, char** argv) {
       continue;
     }
     // Correctness, layer 0: poison, run, check; run again into a second poisoned buffer, compare bitwise.
+    if (v.probe != 0) {  // timing only
+      rows.push_back({v.name, time_it([&](int l) { v.gu(mWg[l], mX, dcounts, grid_gu, act, nullptr); }),
+                      time_it([&](int l) { v.dn(mWd[l], mA, dcounts, grid_dn, nullptr, y); })});
+      continue;
+    }
     CK(cudaMemset(act, 0xFF, na * sizeof(bf16)));
     CK(cudaMemset(act2, 0xFF, na * sizeof(bf16)));
     CK(cudaMemset(y, 0xFF, nx * sizeof(float)));
@@ -728,7 +747,7 @@ int main(int argc, char** argv) {
   }
 
   // Skipping empty experts: expert 3 with 0 rows must be left untouched and every other output unchanged.
-  if (!vars.empty()) {
+  if (!vars.empty() && vars[0].probe == 0) {
     const Variant& v = vars[0];
     std::vector<int32_t> c2 = counts;
     c2[3] = 0;
