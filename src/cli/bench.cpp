@@ -42,7 +42,6 @@ struct BenchArgs {
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
   bool fused_experts = false;
-  int gemm_pdl = 0;  // CudaOptions::programmatic_gemms
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
 };
@@ -107,14 +106,11 @@ int run_bench(const BenchArgs& args) {
   opt.expert_sms = args.expert_sms;
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
   opt.fused_experts = args.fused_experts;
-  opt.programmatic_gemms = args.gemm_pdl;
   opt.tma_experts_grid = args.tma_grid;
   opt.tma_experts_stages = args.tma_stages;
   CudaScStats sc_stats;
   opt.sc_sparse = args.sc_sparse;
   opt.sc_stats = &sc_stats;
-  CudaGemmPdlReport gemm_pdl;
-  opt.programmatic_report = &gemm_pdl;
   std::unique_ptr<LoadedModel> model;
   std::unique_ptr<Backend> be;
   Timer timer;
@@ -152,7 +148,6 @@ int run_bench(const BenchArgs& args) {
   out["expert_sms"] = args.expert_sms;
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
   out["fused_experts"] = args.fused_experts;
-  out["gemm_pdl"] = args.gemm_pdl;
   out["tma_gather_rows"] = !args.no_tma_gather;
   out["dynamic_expert_tiles"] = opt.dynamic_expert_tiles;
   out["attention_splits"] = args.attn_splits;
@@ -265,13 +260,6 @@ int run_bench(const BenchArgs& args) {
                                             : "");
   }
 
-  if (args.gemm_pdl > 0) {
-    out["gemm_pdl_edges"] = {{"programmatic", gemm_pdl.edges}, {"memsets_hoisted", gemm_pdl.memsets_hoisted},
-                             {"blocked", gemm_pdl.blocked}};
-    std::fprintf(stderr, "GEMM PDL: %d edges programmatic (%d cuBLASLt memsets hoisted), %d GEMMs left as they were\n",
-                 gemm_pdl.edges, gemm_pdl.memsets_hoisted, gemm_pdl.blocked);
-  }
-
   if (args.tune_gemm) {  // one line per shape, deduplicated, ready for src/backend/cuda/gemm_tuned.inc
     std::vector<std::string> lines = cuda::gemm_tune_report();
     std::sort(lines.begin(), lines.end());
@@ -370,10 +358,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "run the TMA expert kernels on this many SMs, beside the dense "
                                       "MLP (with --dense-mlp-sms; 0: all SMs)")
                            ->check(CLI::NonNegativeNumber);
-                       sub.add_option("--gemm-pdl", a->gemm_pdl,
-                                      "A/B: cuBLASLt GEMMs of the layer graph started programmatically after our "
-                                      "kernels: 0 none, 1 the experts' down GEMM, 2 all (CudaOptions::programmatic_gemms)")
-                           ->check(CLI::Range(0, 2));
                        sub.add_flag("--fused-experts", a->fused_experts,
                                     "A/B: gate_up and down in one persistent TMA launch instead of gate_up then "
                                     "cuBLASLt's down GEMM (CudaOptions::fused_experts)");

@@ -550,24 +550,14 @@ class CudaBackend final : public Backend {
       cudaGraph_t graph = nullptr;
       // Relaxed: the attention launcher may raise a kernel's shared-memory limit (cudaFuncSetAttribute) mid-capture.
       CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
-      std::vector<cuda::CapturedGemm> gemm_nodes;
-      const bool programmatic = opt_.programmatic_gemms > 0;
-      if (programmatic) gemm_->set_capture_log(&gemm_nodes), gemm_side_->set_capture_log(&gemm_nodes);
       try {
         for (int l = 0; l < cfg_.num_layers; ++l) layer(l, Pass::Decoder, L);
       } catch (...) {
-        gemm_->set_capture_log(nullptr), gemm_side_->set_capture_log(nullptr);
         if (cudaStreamEndCapture(stream_, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
         (void)cudaGetLastError();
         throw;
       }
-      gemm_->set_capture_log(nullptr), gemm_side_->set_capture_log(nullptr);
       CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-      if (programmatic) {
-        const cuda::ProgrammaticEdgeReport r =
-            cuda::make_gemms_programmatic(graph, gemm_nodes, opt_.programmatic_gemms == 1);
-        if (opt_.programmatic_report) *opt_.programmatic_report = CudaGemmPdlReport{r.edges, r.memsets_hoisted, r.blocked};
-      }
       cudaGraphExecUpdateResultInfo info{};
       if (!graph_exec_ || cudaGraphExecUpdate(graph_exec_, graph, &info) != cudaSuccess) {
         (void)cudaGetLastError();  // a failed update is not sticky; instantiate afresh

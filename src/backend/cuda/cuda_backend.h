@@ -31,11 +31,6 @@ struct CudaScStats {
   void reset() { *this = CudaScStats{}; }
 };
 
-// What CudaOptions::programmatic_gemms did to the last captured layer graph (cuda::ProgrammaticEdgeReport).
-struct CudaGemmPdlReport {
-  int edges = 0, memsets_hoisted = 0, blocked = 0;
-};
-
 struct CudaOptions {
   int device = 0;
   // Positions the full-attention layers can hold (prompt + committed canvases); prefill beyond it fails clearly.
@@ -110,10 +105,6 @@ struct CudaOptions {
   // Off: 15 us a layer faster on its own chain, but the side stream's dense down GEMM and the assignment then wait for
   // its end, and the step was 0.05-0.2 ms slower (docs/BENCHMARKS.md, session 7).
   bool fused_experts = false;
-  // cuBLASLt GEMMs of the decoder-layer graph started programmatically after the kernel of ours in front of them
-  // (graph_edges.h): 0 none, 1 the experts' down GEMM only, 2 every GEMM. A/B: bench --gemm-pdl.
-  int programmatic_gemms = 0;
-  CudaGemmPdlReport* programmatic_report = nullptr;  // not owned; filled at each capture when programmatic_gemms
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
   // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)
   // instead of the dense GEMM of the probs through the whole [V, H] table (~0.58 ms). The step falls back to the

@@ -110,10 +110,6 @@ void Gemm::run(bool transa, int m, int n, int k, const void* A, Dt at, int lda, 
   Plan& p = it->second;
   CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.c, C, p.c, &p.algo, workspace_,
                               workspace_bytes_, s));
-  if (capture_log_) {
-    if (const cudaGraphNode_t node = last_captured_node(s))
-      capture_log_->push_back(CapturedGemm{node, workspace_, workspace_bytes_, batch > 1});
-  }
 }
 
 Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct, int lda, int ldb,

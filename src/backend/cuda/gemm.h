@@ -18,8 +18,6 @@
 #include <tuple>
 #include <vector>
 
-#include "backend/cuda/graph_edges.h"
-
 namespace dg::cuda {
 
 enum class Dt { BF16, F32 };
@@ -51,10 +49,6 @@ class Gemm {
   // y[T, H] = p[T, V] . E[V, H]   (soft embedding through the table)
   void through_table(const void* p, Dt pt, int T, const void* E, Dt et, int V, int H, void* y, Dt yt, cudaStream_t s);
 
-  // While set (non-null), every GEMM launched into a stream capture appends its kernel node to *log (for
-  // make_gemms_programmatic, graph_edges.h).
-  void set_capture_log(std::vector<CapturedGemm>* log) { capture_log_ = log; }
-
  private:
   struct Plan {
     cublasLtMatmulDesc_t op = nullptr;
@@ -73,7 +67,6 @@ class Gemm {
   void* workspace_ = nullptr;
   size_t workspace_bytes_;
   std::map<Key, Plan> plans_;
-  std::vector<CapturedGemm>* capture_log_ = nullptr;
 };
 
 }  // namespace dg::cuda
