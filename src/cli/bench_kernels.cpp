@@ -262,6 +262,19 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
           cuda::moe_experts_fused_tma_masked(wgu_map, wdn_map, xe, masks, T, E, H, Ie, acte, y, st,
                                              {.tile_counters = tiles});
         });
+    // The same kernels with the weight maps' L2 promotion off (CudaOptions::tma_weight_l2_promotion 0).
+    const cuda::TmaMap wgu_map0 = cuda::tma_map_bf16_rows(wgu, int64_t(E) * 2 * Ie, H, 64, 0);
+    const cuda::TmaMap wdn_map0 = cuda::tma_map_bf16_rows(wdn, int64_t(E) * H, Ie, 64, 0);
+    add("gate_up TMA masked, tile counter, L2 promotion 0", pad, gu_bytes, gu_flops, [=](cudaStream_t st) {
+      cuda::moe_gate_up_padded_tma_masked(wgu_map0, xe, masks, T, E, H, Ie, acte, st, {.tile_counters = tiles});
+    });
+    add("down TMA, L2 promotion 0", pad, dn_bytes, dn_flops,
+        [=](cudaStream_t st) { cuda::moe_down_padded_tma(wdn_map0, act_map, valid, E, H, Ie, y, st); });
+    add("gate_up + down fused TMA, L2 promotion 0", pad + ", one launch", gu_bytes + dn_bytes, gu_flops + dn_flops,
+        [=](cudaStream_t st) {
+          cuda::moe_experts_fused_tma_masked(wgu_map0, wdn_map0, xe, masks, T, E, H, Ie, acte, y, st,
+                                             {.tile_counters = tiles});
+        });
     add("gate_up TMA masked, then cuBLASLt down (engine)", pad + ", two launches", gu_bytes + dn_bytes,
         gu_flops + dn_flops, [=, &gemm](cudaStream_t st) {
           cuda::moe_gate_up_padded_tma_masked(wgu_map, xe, masks, T, E, H, Ie, acte, st, {.tile_counters = tiles});

@@ -336,8 +336,9 @@ class CudaBackend final : public Backend {
       use_tma_experts_ = opt_.padded_experts && opt_.tma_experts && cuda::experts_tma_supported(M, H, Ie);
       if (use_tma_experts_) {
         for (DevLayer& L : layers_) {
-          L.exp_gu_map = cuda::tma_map_bf16_rows(L.exp_gu, int64_t(E) * 2 * Ie, H, 64);
-          L.exp_down_map = cuda::tma_map_bf16_rows(L.exp_down, int64_t(E) * H, Ie, 64);
+          const int promo = opt_.tma_weight_l2_promotion;
+          L.exp_gu_map = cuda::tma_map_bf16_rows(L.exp_gu, int64_t(E) * 2 * Ie, H, 64, promo);
+          L.exp_down_map = cuda::tma_map_bf16_rows(L.exp_down, int64_t(E) * H, Ie, 64, promo);
         }
         xs_map_ = cuda::tma_map_bf16_rows(s_.xs, int64_t(E) * M, H, M);
         acte_map_ = cuda::tma_map_bf16_rows(s_.acte, int64_t(E) * M, Ie, M);

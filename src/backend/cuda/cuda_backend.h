@@ -105,6 +105,8 @@ struct CudaOptions {
   // Off: 15 us a layer faster on its own chain, but the side stream's dense down GEMM and the assignment then wait for
   // its end, and the step was 0.05-0.2 ms slower (docs/BENCHMARKS.md, session 7).
   bool fused_experts = false;
+  // L2 promotion (bytes: 0, 128, 256) of the TMA expert kernels' weight maps. A/B: bench --tma-l2-promotion.
+  int tma_weight_l2_promotion = 256;
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
   // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)
   // instead of the dense GEMM of the probs through the whole [V, H] table (~0.58 ms). The step falls back to the

@@ -195,8 +195,8 @@ struct alignas(128) TmaMap {
 // sm_90a image loaded, M == 32 padded rows per expert, H a multiple of 128, I of 64.
 bool experts_tma_supported(int M, int H, int I);
 // 2D map over a row-major bf16 [rows, cols] matrix (cols a multiple of 64), boxes of 64 columns x box_rows rows,
-// 128-byte swizzle.
-TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows);
+// 128-byte swizzle. l2_promotion (0, 128 or 256 bytes): how far the L2 widens each box row's 128-byte fetch.
+TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows, int l2_promotion = 256);
 // The padded path's expert GEMMs on TMA + wgmma, for the rows t < rows[e] of each expert's 32-row block (rows =
 // meta + 1 + E of moe_group_padded); other rows of the outputs are not written. Same arithmetic as the cuBLASLt f32
 // GEMMs (+ moe_gelu_mul_padded) up to the order of the f32 sums.

@@ -520,10 +520,15 @@ bool experts_tma_supported(int M, int H, int I) {
   return ok;
 }
 
-TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows) {
+TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows, int l2_promotion) {
   if (cols % kBK != 0 || (reinterpret_cast<uintptr_t>(p) & 15) != 0 || box_rows < 1 || box_rows > 256 || rows < 1)
     throw_cuda_error("tma_map_bf16_rows", "cols must be a multiple of 64, the base 16-byte aligned, box rows 1..256",
                      0, __FILE__, __LINE__);
+  if (l2_promotion != 0 && l2_promotion != 128 && l2_promotion != 256)
+    throw_cuda_error("tma_map_bf16_rows", "l2_promotion must be 0, 128 or 256 bytes", l2_promotion, __FILE__, __LINE__);
+  const CUtensorMapL2promotion promotion = l2_promotion == 0     ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+                                           : l2_promotion == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                                                 : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   CUtensorMap m;
   std::memset(&m, 0, sizeof m);
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
@@ -531,8 +536,8 @@ TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows
   const cuuint32_t box[2] = {cuuint32_t(kBK), cuuint32_t(box_rows)};
   const cuuint32_t estr[2] = {1, 1};
   const CUresult r = encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(p), dims, strides, box,
-                                 estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                                 estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
+                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) throw_cuda_error("cuTensorMapEncodeTiled", "tensor map rejected", int(r), __FILE__, __LINE__);
   TmaMap out;
   std::memcpy(&out, &m, sizeof m);

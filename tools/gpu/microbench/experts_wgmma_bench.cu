@@ -170,8 +170,10 @@ __device__ __forceinline__ float gelu_tanh(float x) {  // same formula as src/ba
 // (gate_up: rows_per_expert = 2I, K = H; down: rows_per_expert = H, K = I), box {64, 64}; tmX over the padded token
 // rows [E * 32, K], box {64, 32}. Tile t = e * tiles_n + nt (expert-major). GATED: act[e][tok][nt*64 + r] (bf16,
 // row length I); else y[e][tok][nt*128 + r] (f32, row length H). Only token rows < counts[e] are written.
-// PROBE (timing only, wrong results; what bounds the ring): bit 0 drops the token box after the first STAGES loads
-// (so the weights alone cross L2 -> shared memory), bit 1 drops the wgmmas (the consumer only waits and frees).
+// PROBE (timing only; what bounds the ring): bit 0 drops the token box after the first STAGES loads (so the weights
+// alone cross L2 -> shared memory; wrong results), bit 1 drops the wgmmas (the consumer only waits and frees; wrong
+// results), bit 2 loads the weights without the evict_first hint (same results). The variant's weight map picks the
+// L2 promotion (Variant::promo).
 template <int STAGES, bool GATED, bool TILED, int PROBE = 0>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_wgmma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
@@ -224,6 +226,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (TILED) {
           // Repacked weights: the stage's 128 rows x 64 k are 16 KB contiguous, tiles and k slices in stream order.
           tma_load_2d(st, &tmW, 0, (tile * nk + kt) * 128, full, evict_first);
+        } else if constexpr ((PROBE & 4) != 0) {
+          tma_load_2d(st, &tmW, kt * kBK, row_a, full);
+          tma_load_2d(st + kWBoxBytes, &tmW, kt * kBK, row_b, full);
         } else {
           tma_load_2d(st, &tmW, kt * kBK, row_a, full, evict_first);
           tma_load_2d(st + kWBoxBytes, &tmW, kt * kBK, row_b, full, evict_first);
@@ -296,7 +301,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 PFN_cuTensorMapEncodeTiled_v12000 g_encode = nullptr;
 
 // 2D bf16 tensor map over a row-major [rows, cols] matrix, box {64 cols, box_rows}, 128B swizzle.
-CUtensorMap make_map(const bf16* p, uint64_t rows, uint64_t cols, uint32_t box_rows) {
+CUtensorMap make_map(const bf16* p, uint64_t rows, uint64_t cols, uint32_t box_rows,
+                     CUtensorMapL2promotion promo = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   CUtensorMap m;
   std::memset(&m, 0, sizeof m);
   const cuuint64_t dims[2] = {cols, rows};
@@ -309,7 +315,7 @@ CUtensorMap make_map(const bf16* p, uint64_t rows, uint64_t cols, uint32_t box_r
   }
   const CUresult r = g_encode(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(p), dims, strides, box, estr,
                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                              promo, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     std::printf("FAIL: cuTensorMapEncodeTiled returned %d (rows %llu cols %llu box_rows %u)\n", int(r),
                 (unsigned long long)rows, (unsigned long long)cols, box_rows);
@@ -351,19 +357,22 @@ struct Variant {
   int occ_gu = 0, occ_dn = 0;  // resident blocks per SM
   bool tiled = false;
   int probe = 0;  // timing-only PROBE variant: not checked
+  int promo = 2;  // the weight maps' L2 promotion: 0 none, 1 128 B, 2 256 B
 };
 template <int S, bool T = false, int P = 0>
-Variant variant(bool persistent) {
+Variant variant(bool persistent, int promo = 2) {
   CK(cudaFuncSetAttribute(experts_wgmma_k<S, true, T, P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           smem_bytes(S)));
   CK(cudaFuncSetAttribute(experts_wgmma_k<S, false, T, P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           smem_bytes(S)));
   char name[48];  // (snprintf: GCC 12 -Wrestrict misfires on "s" + std::to_string)
-  std::snprintf(name, sizeof name, "%ss%d-%s%s%s", T ? "tiled-" : "", S, persistent ? "persist" : "grid",
-                P & 1 ? "-noX" : "", P & 2 ? "-noMMA" : "");
+  std::snprintf(name, sizeof name, "%ss%d-%s%s%s%s%s", T ? "tiled-" : "", S, persistent ? "persist" : "grid",
+                P & 1 ? "-noX" : "", P & 2 ? "-noMMA" : "", P & 4 ? "-evnormal" : "",
+                promo == 0 ? "-promo0" : promo == 1 ? "-promo128" : "");
   Variant v{name, S, persistent, launch<S, true, T, P>, launch<S, false, T, P>};
   v.tiled = T;
   v.probe = P;
+  v.promo = promo;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.occ_gu, experts_wgmma_k<S, true, T, P>, kThreads,
                                                    smem_bytes(S)));
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.occ_dn, experts_wgmma_k<S, false, T, P>, kThreads,
@@ -572,12 +581,17 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(Ain, ha.data(), na * sizeof(bf16), cudaMemcpyHostToDevice));
   CK(cudaMemcpy(dcounts, counts.data(), kE * sizeof(int32_t), cudaMemcpyHostToDevice));
 
-  CUtensorMap mWg0[NL], mWd0[NL];
+  CUtensorMap mWg0[NL], mWd0[NL], pWg[2][NL], pWd[2][NL];  // pW*: L2 promotion none / 128 B
   CUtensorMap* mWg = mWg0;
   CUtensorMap* mWd = mWd0;
   for (int l = 0; l < NL; ++l) {
     mWg[l] = make_map(Wg + l * wgu, uint64_t(kE) * 2 * kI, kH, kBoxRows);
     mWd[l] = make_map(Wd + l * wdn, uint64_t(kE) * kH, kI, kBoxRows);
+    for (int pr = 0; pr < 2; ++pr) {
+      const auto promo = pr == 0 ? CU_TENSOR_MAP_L2_PROMOTION_NONE : CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+      pWg[pr][l] = make_map(Wg + l * wgu, uint64_t(kE) * 2 * kI, kH, kBoxRows, promo);
+      pWd[pr][l] = make_map(Wd + l * wdn, uint64_t(kE) * kH, kI, kBoxRows, promo);
+    }
   }
   const CUtensorMap mX = make_map(X, uint64_t(kE) * kT, kH, kT), mA = make_map(Ain, uint64_t(kE) * kT, kI, kT);
   bf16 *Wgt, *Wdt;
@@ -671,7 +685,9 @@ int main(int argc, char** argv) {
                     variant<3, true>(false), variant<5, true>(false), variant<8, true>(false), variant<10, true>(false),
                     variant<4, true>(true), variant<5, true>(true), variant<10, true>(true),
                     variant<4, false, 1>(true), variant<4, false, 2>(true), variant<4, false, 3>(true),
-                    variant<4, true, 1>(true)})
+                    variant<4, true, 1>(true), variant<4, false, 4>(true), variant<4, false, 0>(true, 1),
+                    variant<4, false, 0>(true, 0), variant<4, false, 4>(true, 0), variant<4, false, 4>(true, 1),
+                    variant<3>(true), variant<5>(true)})
     if (argc < 2 || v.name.find(argv[1]) != std::string::npos) vars.push_back(v);  // optional name filter
   const int tiles_gu = kE * (kI / 64), tiles_dn = kE * (kH / 128);
   cudaEvent_t e0, e1;
@@ -701,8 +717,8 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
 
   for (const Variant& v : vars) {
-    const CUtensorMap* mWg = v.tiled ? tWg : mWg0;
-    const CUtensorMap* mWd = v.tiled ? tWd : mWd0;
+    const CUtensorMap* mWg = v.tiled ? tWg : v.promo < 2 ? pWg[v.promo] : mWg0;
+    const CUtensorMap* mWd = v.tiled ? tWd : v.promo < 2 ? pWd[v.promo] : mWd0;
     const int grid_gu = v.persistent ? std::min(tiles_gu, v.occ_gu * prop.multiProcessorCount) : tiles_gu;
     const int grid_dn = v.persistent ? std::min(tiles_dn, v.occ_dn * prop.multiProcessorCount) : tiles_dn;
     std::printf("--- %s: %d stages, %d KB smem/block, blocks/SM gate_up %d down %d, grid %d / %d, in flight/SM "
@@ -714,7 +730,7 @@ int main(int argc, char** argv) {
       continue;
     }
     // Correctness, layer 0: poison, run, check; run again into a second poisoned buffer, compare bitwise.
-    if (v.probe != 0) {  // timing only
+    if (v.probe != 0 || v.promo != 2) {  // timing only
       rows.push_back({v.name, time_it([&](int l) { v.gu(mWg[l], mX, dcounts, grid_gu, act, nullptr); }),
                       time_it([&](int l) { v.dn(mWd[l], mA, dcounts, grid_dn, nullptr, y); })});
       continue;
