@@ -6,7 +6,7 @@
 // DIFFGEMMA_TEST_NO_TMA_GATHER=1 with CudaOptions::tma_gather_rows off, DIFFGEMMA_TEST_STATIC_EXPERT_TILES=1 with
 // CudaOptions::dynamic_expert_tiles off, DIFFGEMMA_TEST_ROUTER_TC=1 with the router's partials on
 // the tensor cores (cuda::set_router_tensor_cores), DIFFGEMMA_TEST_FUSED_EXPERTS=1 with CudaOptions::fused_experts on,
-// DIFFGEMMA_TEST_DENSE_FIRST=1 with CudaOptions::dense_before_experts on, so every path stays covered.
+// so every path stays covered.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -28,7 +28,6 @@ inline dg::CudaOptions cuda_test_options() {
   o.dynamic_expert_tiles = !flag("DIFFGEMMA_TEST_STATIC_EXPERT_TILES");
   if (flag("DIFFGEMMA_TEST_ROUTER_TC")) dg::cuda::set_router_tensor_cores(true);
   o.fused_experts = flag("DIFFGEMMA_TEST_FUSED_EXPERTS");
-  o.dense_before_experts = flag("DIFFGEMMA_TEST_DENSE_FIRST");
   static const bool said = [&] {
     if (!o.padded_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::padded_experts off (grouped experts)\n");
     if (!o.fused_router) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_router off (cuBLASLt router)\n");
@@ -38,7 +37,6 @@ inline dg::CudaOptions cuda_test_options() {
     if (!o.dynamic_expert_tiles) std::fprintf(stderr, "[cuda tests] CudaOptions::dynamic_expert_tiles off\n");
     if (flag("DIFFGEMMA_TEST_ROUTER_TC")) std::fprintf(stderr, "[cuda tests] router partials on the tensor cores\n");
     if (o.fused_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_experts on\n");
-    if (o.dense_before_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::dense_before_experts on\n");
     return true;
   }();
   (void)said;

@@ -42,7 +42,6 @@ struct BenchArgs {
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
   bool fused_experts = false;
-  bool dense_before_experts = false;  // CudaOptions::dense_before_experts
   int tma_l2_promotion = 256;  // CudaOptions::tma_weight_l2_promotion
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -108,7 +107,6 @@ int run_bench(const BenchArgs& args) {
   opt.expert_sms = args.expert_sms;
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
   opt.fused_experts = args.fused_experts;
-  opt.dense_before_experts = args.dense_before_experts;
   opt.tma_weight_l2_promotion = args.tma_l2_promotion;
   opt.tma_experts_grid = args.tma_grid;
   opt.tma_experts_stages = args.tma_stages;
@@ -152,7 +150,6 @@ int run_bench(const BenchArgs& args) {
   out["expert_sms"] = args.expert_sms;
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
   out["fused_experts"] = args.fused_experts;
-  out["dense_before_experts"] = args.dense_before_experts;
   out["tma_l2_promotion"] = args.tma_l2_promotion;
   out["tma_gather_rows"] = !args.no_tma_gather;
   out["dynamic_expert_tiles"] = opt.dynamic_expert_tiles;
@@ -368,9 +365,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "L2 promotion in bytes (0, 128, 256) of the TMA expert kernels' weight maps "
                                       "(CudaOptions::tma_weight_l2_promotion)")
                            ->check(CLI::IsMember({0, 128, 256}));
-                       sub.add_flag("--dense-before-experts", a->dense_before_experts,
-                                    "A/B: the dense MLP's side stream joins before the expert GEMMs, not before the "
-                                    "combine (CudaOptions::dense_before_experts)");
                        sub.add_flag("--fused-experts", a->fused_experts,
                                     "A/B: gate_up and down in one persistent TMA launch instead of gate_up then "
                                     "cuBLASLt's down GEMM (CudaOptions::fused_experts)");

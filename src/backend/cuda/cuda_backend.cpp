@@ -714,7 +714,6 @@ class CudaBackend final : public Backend {
     // the combine: the dense MLP runs on a side stream (fork/join events, captured into the graph as parallel
     // branches). Stage-timed, traced and GEMM-tuning passes keep one stream so their times stay attributable.
     const bool overlap = opt_.overlap_dense_mlp && !timing_ && !trace_ && !cuda::gemm_tuning();
-    const bool dense_first = overlap && opt_.dense_before_experts;
     const bool fused_experts = masked && opt_.fused_experts && opt_.dynamic_expert_tiles;
     const bool down_tma = tma && opt_.tma_experts_down, down_cublas = !down_tma && !fused_experts;
     const cuda::TmaExpertsPlan plan{
@@ -771,10 +770,6 @@ class CudaBackend final : public Backend {
         cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, st, s_.moe_meta);
       };
       if (overlap) {
-        if (dense_first) {  // the dense MLP's branch ends here; a second one takes the assignment and overflow rows
-          CUDA_CHECK(cudaEventRecord(join_, side_));
-          CUDA_CHECK(cudaStreamWaitEvent(stream_, join_));
-        }
         CUDA_CHECK(cudaEventRecord(grouped_, stream_));
         CUDA_CHECK(cudaStreamWaitEvent(side_, grouped_));
         if (masked) assign(side_);

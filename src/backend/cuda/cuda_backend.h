@@ -105,11 +105,6 @@ struct CudaOptions {
   // Off: 15 us a layer faster on its own chain, but the side stream's dense down GEMM and the assignment then wait for
   // its end, and the step was 0.05-0.2 ms slower (docs/BENCHMARKS.md, session 7).
   bool fused_experts = false;
-  // With overlap_dense_mlp: the dense MLP's branch joins the main stream before the expert GEMMs instead of before
-  // the combine, so it runs beside the router only and nothing on the side stream needs SMs while the experts
-  // stream their weights (the assignment and the overflow rows move to a second fork after the router). A/B: bench
-  // --dense-before-experts (with --dense-mlp-sms 0 it gets every SM the router leaves).
-  bool dense_before_experts = false;
   // L2 promotion (bytes: 0, 128, 256) of the TMA expert kernels' weight maps. A/B: bench --tma-l2-promotion.
   int tma_weight_l2_promotion = 256;
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
