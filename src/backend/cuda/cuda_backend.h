@@ -105,7 +105,9 @@ struct CudaOptions {
   // Off: 15 us a layer faster on its own chain, but the side stream's dense down GEMM and the assignment then wait for
   // its end, and the step was 0.05-0.2 ms slower (docs/BENCHMARKS.md, session 7).
   bool fused_experts = false;
-  // L2 promotion (bytes: 0, 128, 256) of the TMA expert kernels' weight maps. A/B: bench --tma-l2-promotion.
+  // L2 promotion (bytes: 0, 128, 256) of the TMA expert kernels' weight maps. A/B: bench --tma-l2-promotion. At 0
+  // the TMA down kernel alone drops from 140.9 to 132.3 us (cuBLASLt's speed), gate_up rises 242.8 -> 247.8, and no
+  // combination was faster per step than this default (docs/BENCHMARKS.md, session 8).
   int tma_weight_l2_promotion = 256;
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
   // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)
