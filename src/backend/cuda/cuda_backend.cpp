@@ -311,6 +311,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaEventCreateWithFlags(&grouped_, cudaEventDisableTiming));
     tm_ = std::max(opt.prefill_chunk, cfg_.canvas_length);
     if (opt.sliding_rewind < 0) fail("CudaOptions::sliding_rewind must be >= 0");
+    if (opt.tma_weight_l2_promotion != 0 && opt.tma_weight_l2_promotion != 128 && opt.tma_weight_l2_promotion != 256)
+      fail("CudaOptions::tma_weight_l2_promotion must be 0, 128 or 256 (bytes), got {}", opt.tma_weight_l2_promotion);
     if (opt.sc_sparse && !(opt.sc_sparse_max_survivors > 0))
       fail("CudaOptions::sc_sparse_max_survivors must be > 0, got {}", opt.sc_sparse_max_survivors);
     if (opt.sc_sparse && !(opt.sc_sparse_max_total > 0))
