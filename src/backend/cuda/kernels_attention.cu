@@ -124,6 +124,34 @@ struct Split {
   float* ws_ml;  // [nsplit][nkv][rows][2]
 };
 
+// Per-block phase timestamps, only in builds with -DDG_ATTN_TIMELINE (tools/gpu/microbench/attention_bench.cu prints
+// them; attention_timeline() below): slot 0 / 1 the block's %globaltimer (ns) at entry / after its last store, the
+// others clock64 of one consumer thread (kTlEntry and kTlProducerDone: thread 0, on the same SM).
+enum TlSlot {
+  kTlEntryNs, kTlEndNs, kTlEntry, kTlSetup, kTlQ, kTlFirstK, kTlFirstTile, kTlLoopEnd, kTlLastPv, kTlStored,
+  kTlProducerDone, kTlTiles, kTlSlots
+};
+#ifdef DG_ATTN_TIMELINE
+constexpr int kTlBlocks = 4096;
+__device__ long long g_attn_tl[kTlBlocks][kTlSlots];
+__device__ __forceinline__ long long tl_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return static_cast<long long>(t);
+}
+#define DG_TL(cond, slot, value)                                                                                    \
+  do {                                                                                                              \
+    if (cond) {                                                                                                     \
+      const unsigned tl_b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);                         \
+      if (tl_b < unsigned(kTlBlocks)) g_attn_tl[tl_b][slot] = (value);                                              \
+    }                                                                                                               \
+  } while (0)
+#else
+#define DG_TL(cond, slot, value) \
+  do {                           \
+  } while (0)
+#endif
+
 template <int D>
 struct Cfg {
   static constexpr int NS = D > 256 ? D / 256 : 1;  // warps sharing 16 rows (split over the head dim)
@@ -894,6 +922,8 @@ __device__ __forceinline__ void mbar_wait_cta(uint32_t addr, uint32_t parity) {
 
 template <int D, int NK, bool SW>
 __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a, Split sp) {
+  DG_TL(threadIdx.x == 0, kTlEntryNs, tl_ns());
+  DG_TL(threadIdx.x == 0, kTlEntry, clock64());
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
 #if defined(DG_ATTN_WGMMA)
@@ -954,10 +984,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
     cp_async_wait<0>();
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     if (pend) mbar_arrive(pend);
+    DG_TL(tid == 0, kTlProducerDone, clock64());
   } else {  // ---- consumer warpgroups
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsRegs));
     const int ct = tid - 128, warp = ct >> 5, lane = ct & 31, grp = lane >> 2, tig = lane & 3;
     const int wg = ct >> 7, wwarp = warp & 3, rbase = wg * 64;
+    DG_TL(ct == 0, kTlSetup, clock64());
     int64_t qp[2];
     row_positions(a, m0 + rbase + wwarp * 16 + grp, rows_total, g, qp);
     float o[OT * 4];
@@ -986,6 +1018,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
     cp_async_wait<0>();
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg) : "memory");
+    DG_TL(ct == 0, kTlQ, clock64());
     if constexpr (kWsPingPong) {  // warpgroup 0 goes first
       if (wg == 1) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
     }
@@ -994,6 +1027,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       const int ks = int(i % NK);
       const int64_t j0 = jb + i * BN;
       mbar_wait_cta(full_k(ks), uint32_t((i / NK) & 1));
+      DG_TL(ct == 0 && i == 0, kTlFirstK, clock64());
       if constexpr (kWsPingPong) asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg) : "memory");
       float s[NT * 4];
 #pragma unroll
@@ -1022,7 +1056,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       reg_fence(o);
       if (i > 0 && lane == 0) mbar_arrive(empty_v(int((i - 1) & 1)));
       rescale_o_pack_p(o, alpha, s, pa);
+      DG_TL(ct == 0 && i == 0, kTlFirstTile, clock64());
     }
+    DG_TL(ct == 0, kTlLoopEnd, clock64());
     if constexpr (kWsPingPong) {  // warpgroup 1's last arrive on barrier 2 (1 + ntiles arrives, ntiles syncs so far)
       if (wg == 0) asm volatile("bar.sync 2, 256;\n" ::: "memory");
     }
@@ -1037,8 +1073,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       wg_wait<0>();
       reg_fence(o);
     }
+    DG_TL(ct == 0, kTlLastPv, clock64());
     finish_rows<D, OT>(a, sp, split, kvh, g, rows_total, m0 + rbase + wwarp * 16 + grp, tig * 2, tig == 0, m_r, l_r,
                        [&](int t, int c) { return o[t * 4 + c]; });
+    DG_TL(ct == 0, kTlStored, clock64());
+    DG_TL(ct == 0, kTlEndNs, tl_ns());
+    DG_TL(ct == 0, kTlTiles, ntiles);
   }
 #else
   static_assert(WsCfg<D, NK>::RS > 0 && (SW || !SW), "");
@@ -1076,6 +1116,8 @@ struct WgxCfg {
 // each tile (0.206 -> 0.184 ms at kv 4096 with the stepped descriptors).
 template <int D_, bool XA, bool SW>
 __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, Split sp) {
+  DG_TL(threadIdx.x == 0, kTlEntryNs, tl_ns());
+  DG_TL(threadIdx.x == 0, kTlEntry, clock64());
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
 #if defined(DG_ATTN_WGMMA)
@@ -1151,6 +1193,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
     }
   };
   cluster_sync_all();  // the partner runs before any DSMEM store into it
+  DG_TL(tid == 0, kTlSetup, clock64());
   if (ntiles > 0) load_k(0, jb);
   cp_async_commit();
 
@@ -1163,6 +1206,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
     cp_async_wait<0>();
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
     __syncthreads();  // K(i), V(i-1) visible; both warpgroups are done with K(i-1) and V(i-2)
+    DG_TL(tid == 0 && i == 0, kTlFirstK, clock64());
     const uint32_t k_tile = kv_base + uint32_t(stage * 2 * C::kv_bytes);
 
     float s[NT * 4];
@@ -1227,7 +1271,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
     wg_wait<0>();
     reg_fence(o);
     rescale_o_pack_p(o, alpha, s, pa);
+    DG_TL(tid == 0 && i == 0, kTlFirstTile, clock64());
   }
+  DG_TL(tid == 0, kTlLoopEnd, clock64());
   if (ntiles > 0) {  // O += P(last) V(last)
     cp_async_wait<0>();
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -1243,9 +1289,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
   }
   // XA: no block leaves while its partner may still arrive on its mbarriers
   if constexpr (XA) cluster_sync_all();
+  DG_TL(tid == 0, kTlLastPv, clock64());
 
   finish_rows<D, OT>(a, sp, split, kvh, g, rows_total, m0 + rbase + wwarp * 16 + grp, colh + tig * 2,
                      dp == 0 && tig == 0, m_r, l_r, [&](int t, int c) { return o[t * 4 + c]; });
+  DG_TL(tid == 0, kTlStored, clock64());
+  DG_TL(tid == 0, kTlEndNs, tl_ns());
+  DG_TL(tid == 0, kTlTiles, ntiles);
 #else
   static_assert(WgxCfg<D_>::D == D_ && WgxCfg<D_>::RS > 0 && (SW || !SW), "");  // (no wgmma on this target: never picked)
 #endif
@@ -1405,6 +1455,19 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
 }  // namespace
 
 void set_attention_splits(int n) { g_attention_splits = n > 0 ? n : 0; }
+
+#ifdef DG_ATTN_TIMELINE
+// The per-block timestamps of the last launch (TlSlot order, kTlSlots each); clear_attention_timeline() zeroes them.
+int attention_timeline_slots() { return kTlSlots; }
+void attention_timeline(long long* host, int blocks) {
+  CUDA_CHECK(cudaMemcpyFromSymbol(host, g_attn_tl, size_t(std::min(blocks, kTlBlocks)) * kTlSlots * sizeof(long long)));
+}
+void clear_attention_timeline() {
+  void* p = nullptr;
+  CUDA_CHECK(cudaGetSymbolAddress(&p, g_attn_tl));
+  CUDA_CHECK(cudaMemset(p, 0, sizeof(g_attn_tl)));
+}
+#endif
 
 void attention(const AttentionArgs& a, cudaStream_t s) {
   if (a.T == 0) return;

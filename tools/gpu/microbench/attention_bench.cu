@@ -38,7 +38,61 @@ void attention_v3(const AttentionArgs& a, cudaStream_t s);  // the variant
 #ifdef WITH_V4
 void attention_v4(const AttentionArgs& a, cudaStream_t s);  // the second variant (VARIANT_SED2)
 #endif
+#ifdef DG_ATTN_TIMELINE
+int attention_timeline_slots();
+void attention_timeline(long long* host, int blocks);
+void clear_attention_timeline();
+#endif
 }  // namespace dg::cuda
+
+#ifdef DG_ATTN_TIMELINE
+// One launch of `run` with the kernels' per-block timestamps on (kernels_attention.cu, TlSlot), summarized: medians
+// over blocks of each phase, the blocks' start skew and the kernel's span. Phases are clock64 deltas of one thread,
+// converted with the clock rate the same blocks show against %globaltimer.
+template <class Run>
+static void print_timeline(const char* name, Run run) {
+  enum { EntryNs, EndNs, Entry, Setup, Q, FirstK, FirstTile, LoopEnd, LastPv, Stored, ProducerDone, Tiles };
+  const int slots = dg::cuda::attention_timeline_slots(), cap = 4096;
+  dg::cuda::clear_attention_timeline();
+  run();
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<long long> tl(size_t(cap) * slots);
+  dg::cuda::attention_timeline(tl.data(), cap);
+  std::vector<const long long*> b;
+  for (int i = 0; i < cap; ++i)
+    if (tl[size_t(i) * slots + EntryNs] != 0 && tl[size_t(i) * slots + EndNs] != 0) b.push_back(&tl[size_t(i) * slots]);
+  if (b.empty()) {
+    std::printf("timeline %s: no instrumented blocks\n", name);
+    return;
+  }
+  long long t0 = b[0][EntryNs], t1 = b[0][EndNs], e_last = b[0][EntryNs], end_first = b[0][EndNs];
+  std::vector<double> ghz;
+  for (auto* r : b) {
+    t0 = std::min(t0, r[EntryNs]), t1 = std::max(t1, r[EndNs]);
+    e_last = std::max(e_last, r[EntryNs]), end_first = std::min(end_first, r[EndNs]);
+    if (r[EndNs] > r[EntryNs]) ghz.push_back(double(r[Stored] - r[Entry]) / double(r[EndNs] - r[EntryNs]));
+  }
+  std::sort(ghz.begin(), ghz.end());
+  const double rate = ghz.empty() ? 1.98 : ghz[ghz.size() / 2];  // cycles per ns
+  auto med = [&](auto f) {
+    std::vector<double> v;
+    for (auto* r : b) v.push_back(f(r));
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  auto us = [&](int from, int to) { return med([&](const long long* r) { return double(r[to] - r[from]) / rate / 1e3; }); };
+  const double tiles = med([&](const long long* r) { return double(r[Tiles]); });
+  std::printf("timeline %s: %zu blocks, %.0f key tiles each, clock %.2f GHz; kernel span %.1f us, entries spread %.1f "
+              "us, ends spread %.1f us; per block (medians, us): block %.1f = setup %.2f + Q %.2f + first K %.2f + "
+              "first tile %.2f + %.0f more tiles %.2f (%.2f each) + last P.V %.2f + stores %.2f; producer done at "
+              "%.2f\n",
+              name, b.size(), tiles, rate, (t1 - t0) / 1e3, (e_last - t0) / 1e3, (t1 - end_first) / 1e3,
+              med([&](const long long* r) { return double(r[EndNs] - r[EntryNs]) / 1e3; }), us(Entry, Setup),
+              b[0][Q] ? us(Setup, Q) : 0.0, us(b[0][Q] ? Q : Setup, FirstK), us(FirstK, FirstTile), tiles - 1,
+              us(FirstTile, LoopEnd), tiles > 1 ? us(FirstTile, LoopEnd) / (tiles - 1) : 0.0, us(LoopEnd, LastPv),
+              us(LastPv, Stored), b[0][ProducerDone] ? us(Entry, ProducerDone) : 0.0);
+}
+#endif
 
 using dg::cuda::AttentionArgs;
 using bf16 = __nv_bfloat16;
@@ -243,6 +297,10 @@ static Result run_case(const Case& c, bool& all_ok) {
     }
     CUDA_CHECK(cudaGetLastError());
     cudaEventDestroy(e0), cudaEventDestroy(e1);
+#ifdef DG_ATTN_TIMELINE
+    a.out = o_new;
+    print_timeline(c.name, [&] { dg::cuda::attention(a, nullptr); });
+#endif
   }
   std::printf("%-34s rows %6zu  rel_err new %.2e old %.2e", c.name, rows.size(), en, eo);
 #ifdef WITH_V3
@@ -267,6 +325,8 @@ static Result run_case(const Case& c, bool& all_ok) {
 
 int main() {
   bool ok = true;
+  // ATTN_SPLITS=n: the split-KV count of every launch (dg::cuda::set_attention_splits; 0 or unset: the launcher's pick)
+  if (const char* e = std::getenv("ATTN_SPLITS")) dg::cuda::set_attention_splits(std::atoi(e));
   // Awkward shapes, every row checked.
   const Case small[] = {
       {"tiny sliding prefill wrapped", 37, 4, 2, 16, 11, 20, 7, true, 8, 0, 0},

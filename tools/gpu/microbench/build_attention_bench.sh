@@ -10,7 +10,9 @@ set -e
 cd "$(dirname "$0")/../../.."
 out=${1:-build-attn}
 mkdir -p "$out"
+# TIMELINE=1: per-block phase timestamps of the wgmma kernels, printed per timed case (-DDG_ATTN_TIMELINE).
 NVCC="${NVCC:-/usr/local/cuda/bin/nvcc} -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -I src --expt-relaxed-constexpr"
+[ "${TIMELINE:-0}" = 1 ] && NVCC="$NVCC -DDG_ATTN_TIMELINE"
 src=${ATTN_SRC:-src/backend/cuda/kernels_attention.cu}  # ATTN_SRC: build another copy of the file as "new"
 extra=""
 if [ -n "$VARIANT_SED" ]; then
