@@ -127,9 +127,11 @@ struct Split {
 // Per-block phase timestamps, only in builds with -DDG_ATTN_TIMELINE (tools/gpu/microbench/attention_bench.cu prints
 // them; attention_timeline() below): slot 0 / 1 the block's %globaltimer (ns) at entry / after its last store, the
 // others clock64 of one consumer thread (kTlEntry and kTlProducerDone: thread 0, on the same SM).
+// attention_ws_k also sums, over its tiles, the cycles of each step of the loop (kTlLap*, in loop order).
 enum TlSlot {
   kTlEntryNs, kTlEndNs, kTlEntry, kTlSetup, kTlQ, kTlFirstK, kTlFirstTile, kTlLoopEnd, kTlLastPv, kTlStored,
-  kTlProducerDone, kTlTiles, kTlSlots
+  kTlProducerDone, kTlTiles, kTlLapWaitK, kTlLapPingPong, kTlLapIssueS, kTlLapWaitV, kTlLapIssuePv, kTlLapWaitS,
+  kTlLapSoftmax, kTlLapWaitPv, kTlLapPack, kTlSlots
 };
 #ifdef DG_ATTN_TIMELINE
 constexpr int kTlBlocks = 4096;
@@ -146,9 +148,19 @@ __device__ __forceinline__ long long tl_ns() {
       if (tl_b < unsigned(kTlBlocks)) g_attn_tl[tl_b][slot] = (value);                                              \
     }                                                                                                               \
   } while (0)
+// Adds the cycles since the previous lap to tl_lap[slot - kTlLapWaitK] (attention_ws_k's loop).
+#define DG_TL_LAP(slot)                                     \
+  do {                                                      \
+    const long long tl_now = clock64();                     \
+    tl_lap[(slot) - kTlLapWaitK] += tl_now - tl_last;       \
+    tl_last = tl_now;                                       \
+  } while (0)
 #else
 #define DG_TL(cond, slot, value) \
   do {                           \
+  } while (0)
+#define DG_TL_LAP(slot) \
+  do {                  \
   } while (0)
 #endif
 
@@ -1023,12 +1035,17 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       if (wg == 1) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
     }
     uint32_t pa[BN / 16][4];
+#ifdef DG_ATTN_TIMELINE
+    long long tl_lap[kTlSlots - kTlLapWaitK] = {}, tl_last = clock64();
+#endif
     for (int64_t i = 0; i < ntiles; ++i) {
       const int ks = int(i % NK);
       const int64_t j0 = jb + i * BN;
       mbar_wait_cta(full_k(ks), uint32_t((i / NK) & 1));
       DG_TL(ct == 0 && i == 0, kTlFirstK, clock64());
+      DG_TL_LAP(kTlLapWaitK);
       if constexpr (kWsPingPong) asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg) : "memory");
+      DG_TL_LAP(kTlLapPingPong);
       float s[NT * 4];
 #pragma unroll
       for (int t = 0; t < NT * 4; ++t) s[t] = 0.0f;
@@ -1038,26 +1055,36 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
 #pragma unroll
       for (int kk = 0; kk < D; kk += 16) wg_ss_n64(s, qd + kstep(kk, BM), kd + kstep(kk, BN));
       wg_commit();
+      DG_TL_LAP(kTlLapIssueS);
       if (i > 0) {
         const int vs = int((i - 1) & 1);
         mbar_wait_cta(full_v(vs), uint32_t(((i - 1) / 2) & 1));
+        DG_TL_LAP(kTlLapWaitV);
         const uint64_t vd = wg_desc(vbuf + uint32_t(vs * C::kv_bytes), v_lbo, v_sbo) | kSw;
 #pragma unroll
         for (int kc = 0; kc < BN / 16; ++kc) wg_rs_n256_t(o, pa[kc], vd + uint64_t(kc * kVStep));
       }
       wg_commit();
       if constexpr (kWsPingPong) asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - wg) : "memory");  // other's turn
+      DG_TL_LAP(kTlLapIssuePv);
       wg_wait<1>();
       reg_fence(s);
+      DG_TL_LAP(kTlLapWaitS);
       if (lane == 0) mbar_arrive(empty_k(ks));
       float alpha[2];
       mask_softmax<NT>(s, alpha, m_r, l_r, a, j0, je, q_min, q_max, qp, tig);
+      DG_TL_LAP(kTlLapSoftmax);
       wg_wait<0>();
       reg_fence(o);
+      DG_TL_LAP(kTlLapWaitPv);
       if (i > 0 && lane == 0) mbar_arrive(empty_v(int((i - 1) & 1)));
       rescale_o_pack_p(o, alpha, s, pa);
+      DG_TL_LAP(kTlLapPack);
       DG_TL(ct == 0 && i == 0, kTlFirstTile, clock64());
     }
+#ifdef DG_ATTN_TIMELINE
+    for (int k = 0; k < kTlSlots - kTlLapWaitK; ++k) DG_TL(ct == 0, kTlLapWaitK + k, tl_lap[k]);
+#endif
     DG_TL(ct == 0, kTlLoopEnd, clock64());
     if constexpr (kWsPingPong) {  // warpgroup 1's last arrive on barrier 2 (1 + ntiles arrives, ntiles syncs so far)
       if (wg == 0) asm volatile("bar.sync 2, 256;\n" ::: "memory");

@@ -51,7 +51,7 @@ void clear_attention_timeline();
 // converted with the clock rate the same blocks show against %globaltimer.
 template <class Run>
 static void print_timeline(const char* name, Run run) {
-  enum { EntryNs, EndNs, Entry, Setup, Q, FirstK, FirstTile, LoopEnd, LastPv, Stored, ProducerDone, Tiles };
+  enum { EntryNs, EndNs, Entry, Setup, Q, FirstK, FirstTile, LoopEnd, LastPv, Stored, ProducerDone, Tiles, Laps };
   const int slots = dg::cuda::attention_timeline_slots(), cap = 4096;
   dg::cuda::clear_attention_timeline();
   run();
@@ -91,6 +91,13 @@ static void print_timeline(const char* name, Run run) {
               b[0][Q] ? us(Setup, Q) : 0.0, us(b[0][Q] ? Q : Setup, FirstK), us(FirstK, FirstTile), tiles - 1,
               us(FirstTile, LoopEnd), tiles > 1 ? us(FirstTile, LoopEnd) / (tiles - 1) : 0.0, us(LoopEnd, LastPv),
               us(LastPv, Stored), b[0][ProducerDone] ? us(Entry, ProducerDone) : 0.0);
+  if (b[0][Laps] == 0 && b[0][Laps + 1] == 0) return;  // attention_ws_k only
+  const char* lap[] = {"wait K", "ping-pong", "issue S", "wait V", "issue P.V", "wait S", "softmax", "wait P.V",
+                       "rescale + pack"};
+  std::printf("  loop of one consumer thread, per tile (median block, us):");
+  for (int k = 0; k < 9; ++k)
+    std::printf(" %s %.2f%s", lap[k], med([&](const long long* r) { return double(r[Laps + k]) / rate / 1e3 / r[Tiles]; }),
+                k < 8 ? "," : "\n");
 }
 #endif
 
