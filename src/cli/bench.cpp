@@ -38,6 +38,7 @@ struct BenchArgs {
   int dense_mlp_sms = -1;  // -1: CudaOptions' default
   bool cublas_experts = false, tma_experts_down = false, no_tma_gather = false, static_expert_tiles = false;
   int attn_splits = 0;
+  bool no_attn_tma = false;  // cuda::set_attention_tma(false)
   bool router_tc = false;
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
@@ -83,6 +84,7 @@ int run_bench(const BenchArgs& args) {
   cuda::set_gemm_table(!args.untuned_gemm);
   cuda::set_pdl(!args.no_pdl);
   cuda::set_attention_splits(args.attn_splits);
+  cuda::set_attention_tma(!args.no_attn_tma);
   cuda::set_router_tensor_cores(args.router_tc);
   auto info = cuda::query_device(0);
   if (!info.available) fail("bench needs a CUDA GPU: {}", info.reason);
@@ -154,6 +156,7 @@ int run_bench(const BenchArgs& args) {
   out["tma_gather_rows"] = !args.no_tma_gather;
   out["dynamic_expert_tiles"] = opt.dynamic_expert_tiles;
   out["attention_splits"] = args.attn_splits;
+  out["attention_tma"] = !args.no_attn_tma;
   out["router_tensor_cores"] = args.router_tc;
   out["dense_mlp_priority"] = opt.dense_mlp_priority;
   out["tma_grid"] = args.tma_grid;
@@ -351,6 +354,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--router-tc", a->router_tc,
                                     "A/B: the router's partial logits as 3xTF32 on the tensor cores instead of f32 "
                                     "FMAs (cuda::set_router_tensor_cores)");
+                       sub.add_flag("--no-attn-tma", a->no_attn_tma,
+                                    "A/B: the sliding attention kernel's K / V tiles all by cp.async instead of TMA "
+                                    "(cuda::set_attention_tma)");
                        sub.add_option("--attn-splits", a->attn_splits,
                                       "A/B: split-KV count of the attention launches that split (0: as many as fill "
                                       "the SMs; cuda::set_attention_splits)")

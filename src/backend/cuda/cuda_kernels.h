@@ -126,6 +126,9 @@ void attention(const AttentionArgs& a, cudaStream_t s);
 // the SMs), in place of "as many as fill the SMs"; still capped by the key tiles and the workspace. 0: automatic.
 // Process-wide, like set_pdl; results stay deterministic for a given count.
 void set_attention_splits(int n);
+// A/B (bench --no-attn-tma): attention_ws_k's contiguous K / V tiles by TMA (on, the default) or all by cp.async.
+// The results are bitwise the same.
+void set_attention_tma(bool on);
 
 // ---- MoE (kernels_moe.cu) ----
 // Router over f32 logits [T, E]: softmax, top-k (higher prob first, ties -> lower index), renormalized,
@@ -194,9 +197,14 @@ struct alignas(128) TmaMap {
 // (kernels_experts_tma.cu) Whether moe_gate_up_padded_tma / moe_down_padded_tma run here: an sm_90 device with the
 // sm_90a image loaded, M == 32 padded rows per expert, H a multiple of 128, I of 64.
 bool experts_tma_supported(int M, int H, int I);
-// 2D map over a row-major bf16 [rows, cols] matrix (cols a multiple of 64), boxes of 64 columns x box_rows rows,
-// 128-byte swizzle. l2_promotion (0, 128 or 256 bytes): how far the L2 widens each box row's 128-byte fetch.
+// (tensor_map.cpp) 2D map over a row-major bf16 [rows, cols] matrix (cols a multiple of 64), boxes of 64 columns x
+// box_rows rows, 128-byte swizzle. l2_promotion (0, 128 or 256 bytes): how far the L2 widens each box row's 128-byte
+// fetch.
 TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows, int l2_promotion = 256);
+// (tensor_map.cpp) 3D map over a row-major bf16 [rows, heads, D] tensor (K / V rows of all heads), boxes of 64
+// head-dim columns x 1 head x box_rows rows, 128-byte swizzle: one box is a 64-column chunk of box_rows rows of one
+// head, laid out as the attention kernels' swizzled tiles.
+TmaMap tma_map_bf16_heads(const bf16* p, int64_t rows, int heads, int D, int box_rows);
 // The padded path's expert GEMMs on TMA + wgmma, for the rows t < rows[e] of each expert's 32-row block (rows =
 // meta + 1 + E of moe_group_padded); other rows of the outputs are not written. Same arithmetic as the cuBLASLt f32
 // GEMMs (+ moe_gelu_mul_padded) up to the order of the f32 sums.

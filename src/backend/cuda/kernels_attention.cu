@@ -60,6 +60,11 @@
 // (sliding denoise 38.1 vs 38.3 us alone, 4K step 17.60 / 17.62 vs 17.60 / 17.67 ms): not kept. ncu of the denoise
 // launch (4 x 8 x 4 blocks, 32 us): SMs active 73% of the time, issue slots 24% busy, ~0.45 eligible warps per
 // scheduler; the loads in flight are not what holds it.
+// Session 8 (a timeline build, attention_bench's TIMELINE=1): every 64-key tile of 128 rows took ~3.1 us a block at any
+// block count, and half of it was the consumers waiting for K / V from the cp.async producer. The producer now loads
+// each tile whose 64 keys are contiguous in one tensor by TMA (WsKvMaps, one thread, D / 64 boxes straight into the
+// swizzled layout), bitwise the same results: sliding denoise 34.8 -> 31.4 us, sliding prefill T 4096 0.228 -> 0.173
+// ms (attention_bench, H200). attention_wgx_k still loads by cp.async from all its threads.
 // Tried here and dropped: the split-KV merged inside a cluster of the nsplit CTAs through DSMEM (no workspace, no
 // combine launch): bitwise equal to the combine kernel, but the H200 holds only 30 clusters of 4 CTAs with this shared
 // memory (15 of 8), and the denoise grids need 32, so it never applied at model shapes; issuing the V loads after
@@ -930,10 +935,33 @@ __device__ __forceinline__ void mbar_wait_cta(uint32_t addr, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+[[maybe_unused]] __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t addr, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(addr), "r"(bytes) : "memory");
+}
+// The box at coordinates (c0, c1, c2) of a 3D tensor map (tma_map_bf16_heads: column, head, row) into shared memory,
+// completing `bar`'s transaction count by the box's bytes.
+[[maybe_unused]] __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2,
+                                                             uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
 #endif
 
-template <int D, int NK, bool SW>
-__global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a, Split sp) {
+// TMA: attention_ws_k's producer loads every K / V tile whose 64 keys are contiguous in one tensor (contiguous_keys:
+// not across the cache ring's wrap, the cache / canvas boundary or the keys' end) by TMA instead of cp.async: one
+// thread issues D / 64 boxes of 64 columns x 64 keys (the swizzled tile layout, 1024-byte aligned), the tile's full
+// barrier completes on their bytes. The other tiles keep the cp.async path. kc / vc: the layer's cache [cap, nkv, D]
+// (or the fresh rows when there is no cache), kn / vn: the fresh rows [T_new, nkv, D] (tma_map_bf16_heads, 64-row
+// boxes).
+struct WsKvMaps {
+  TmaMap kc, vc, kn, vn;
+};
+
+template <int D, int NK, bool SW, bool TMA = false>
+__global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a, Split sp,
+                                                                const __grid_constant__ WsKvMaps maps) {
   DG_TL(threadIdx.x == 0, kTlEntryNs, tl_ns());
   DG_TL(threadIdx.x == 0, kTlEntry, clock64());
   pdl_wait();  // launch.cuh: nothing before this touches global memory
@@ -974,24 +1002,46 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       if (pend) mbar_arrive(pend);
       pend = next;
     };
-    if (ntiles > 0) {
-      ws_load_tile<SW, D, 128>(smem + C::q_bytes, a.k_cache, a.k_new, a, D, kvh, 0, jb, je, fp_mod, tid);
-      signal(full_k(0));
-    }
+    // One K or V tile of keys j0 .. j0 + 63 into the stage at `dst`, completing barrier `bar`.
+    auto load = [&](unsigned char* dst, bool is_k, int64_t j0, uint32_t bar) {
+      const bf16 *cache = is_k ? a.k_cache : a.v_cache, *fresh = is_k ? a.k_new : a.v_new;
+      if constexpr (TMA) {
+        if (contiguous_keys(cache, fresh, a, D, kvh, 0, j0, je, fp_mod)) {
+          // The previous cp.async tile's barrier first (its copies landed), then this one at once.
+          cp_async_commit();
+          cp_async_wait<0>();
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          if (pend) mbar_arrive(pend);
+          pend = 0;
+          if (tid == 0) {
+            const bool cached = j0 + 64 <= a.n_old;
+            int64_t row = cached ? fp_mod + j0 : j0 - a.n_old;
+            if (cached && row >= a.cap) row -= a.cap;
+            const TmaMap& m = cached ? (is_k ? maps.kc : maps.vc) : (is_k ? maps.kn : maps.vn);
+            mbar_arrive_expect_tx(bar, uint32_t(64 * D * 2));
+            const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+#pragma unroll
+            for (int c = 0; c < D / 64; ++c) tma_load_3d(d + uint32_t(c * 64 * 128), &m, c * 64, kvh, int(row), bar);
+          } else {
+            mbar_arrive(bar);
+          }
+          return;
+        }
+      }
+      ws_load_tile<SW, D, 128>(dst, cache, fresh, a, D, kvh, 0, j0, je, fp_mod, tid);
+      signal(bar);
+    };
+    if (ntiles > 0) load(smem + C::q_bytes, true, jb, full_k(0));
     for (int64_t i = 0; i < ntiles; ++i) {
       if (i + 1 < ntiles) {
         const int64_t n = i + 1;
         const int s = int(n % NK);
         if (n >= NK) mbar_wait_cta(empty_k(s), uint32_t((n / NK - 1) & 1));
-        ws_load_tile<SW, D, 128>(smem + C::q_bytes + s * C::kv_bytes, a.k_cache, a.k_new, a, D, kvh, 0, jb + n * BN,
-                                 je, fp_mod, tid);
-        signal(full_k(s));
+        load(smem + C::q_bytes + s * C::kv_bytes, true, jb + n * BN, full_k(s));
       }
       const int s = int(i & 1);
       if (i >= 2) mbar_wait_cta(empty_v(s), uint32_t((i / 2 - 1) & 1));
-      ws_load_tile<SW, D, 128>(smem + C::q_bytes + (NK + s) * C::kv_bytes, a.v_cache, a.v_new, a, D, kvh, 0,
-                               jb + i * BN, je, fp_mod, tid);
-      signal(full_v(s));
+      load(smem + C::q_bytes + (NK + s) * C::kv_bytes, false, jb + i * BN, full_v(s));
     }
     cp_async_wait<0>();
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -1368,6 +1418,7 @@ constexpr bool kWgx256 = false;    // D = 256 through attention_wgx_k (cluster p
 constexpr bool kWg256 = true;      // D = 256 through attention_wg_k (when not the above)
 constexpr bool kWs256 = true;      // D = 256 through attention_ws_k (warp-specialized; before attention_wg_k)
 constexpr int kWsK = 2;            // ... its K stages (2 or 3)
+constexpr bool kWsTma = true;      // ... K / V tiles by TMA where contiguous (WsKvMaps; set_attention_tma)
 constexpr bool kWsSw128 = true;   // ... with 128-byte swizzled tiles (else the core-matrix layout)
 constexpr bool kWgx512 = true;     // D = 512 through attention_wgx_k
 constexpr bool kWgxCausal = true;  // ... causal (prefill) launches too
@@ -1377,6 +1428,7 @@ constexpr bool kWgxSw128 = true;      // attention_wgx_k: 128-byte swizzled tile
 
 // Split-KV count for a grid of `base` blocks over `tiles` key tiles (1: no split).
 int g_attention_splits = 0;  // set_attention_splits
+bool g_attention_tma = true;  // set_attention_tma
 
 Split pick_split(const AttentionArgs& a, int base, int64_t tiles, int D) {
   const int rows = a.T * (a.nh / a.nkv);
@@ -1436,17 +1488,31 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
     }
   }
   if constexpr (D == 256) {
-    constexpr auto wsk = attention_ws_k<256, kWsK, kWsSw128>;
+    constexpr auto wsk = attention_ws_k<256, kWsK, kWsSw128, false>;
+    constexpr auto wsk_tma = attention_ws_k<256, kWsK, kWsSw128, kWsTma && kWsSw128>;
     static const bool ws = kWgmma && kWs256 && [] {
       if (!sm90a_image_of(wsk)) return false;
       CUDA_CHECK(cudaFuncSetAttribute(wsk, cudaFuncAttributeMaxDynamicSharedMemorySize, int(WsCfg<256, kWsK>::smem)));
+      CUDA_CHECK(cudaFuncSetAttribute(wsk_tma, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(WsCfg<256, kWsK>::smem)));
       return true;
     }();
     if (ws) {
       using W = WsCfg<256, kWsK>;
       const int row_tiles = (rows + W::BM - 1) / W::BM;
       const Split sp = pick_split(a, row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
-      launch_pdl(wsk, dim3(dim3(row_tiles, a.nkv, sp.nsplit)), dim3(kWsThreads), W::smem, s, a, sp);
+      WsKvMaps maps{};
+      const bool tma = kWsTma && kWsSw128 && g_attention_tma;
+      if (tma) {
+        const int64_t fresh_rows = std::max<int64_t>(a.T_new, 1);
+        maps.kn = tma_map_bf16_heads(a.k_new, fresh_rows, a.nkv, 256, 64);
+        maps.vn = tma_map_bf16_heads(a.v_new, fresh_rows, a.nkv, 256, 64);
+        const bool cache = a.k_cache && a.v_cache && a.cap > 0;
+        maps.kc = cache ? tma_map_bf16_heads(a.k_cache, a.cap, a.nkv, 256, 64) : maps.kn;
+        maps.vc = cache ? tma_map_bf16_heads(a.v_cache, a.cap, a.nkv, 256, 64) : maps.vn;
+      }
+      launch_pdl(tma ? wsk_tma : wsk, dim3(dim3(row_tiles, a.nkv, sp.nsplit)), dim3(kWsThreads), W::smem, s, a, sp,
+                 maps);
       CUDA_CHECK_LAUNCH();
       return combine(a, sp, s);
     }
@@ -1482,6 +1548,7 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
 }  // namespace
 
 void set_attention_splits(int n) { g_attention_splits = n > 0 ? n : 0; }
+void set_attention_tma(bool on) { g_attention_tma = on; }
 
 #ifdef DG_ATTN_TIMELINE
 // The per-block timestamps of the last launch (TlSlot order, kTlSlots each); clear_attention_timeline() zeroes them.

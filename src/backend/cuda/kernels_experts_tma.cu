@@ -44,9 +44,6 @@
 
 namespace dg::cuda {
 
-static_assert(sizeof(TmaMap) == sizeof(CUtensorMap) && alignof(TmaMap) >= alignof(CUtensorMap),
-              "TmaMap must hold a CUtensorMap");
-
 namespace {
 
 constexpr int kTok = 32;                          // padded token rows per expert (M of moe_group_padded)
@@ -480,18 +477,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    cudaDriverEntryPointQueryResult q{};
-    void* p = nullptr;
-    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
-    if (q != cudaDriverEntryPointSuccess || p == nullptr)
-      throw_cuda_error("cuTensorMapEncodeTiled", "driver entry point not found", int(q), __FILE__, __LINE__);
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
 }  // namespace
 
 bool experts_tma_supported(int M, int H, int I) {
@@ -520,29 +505,6 @@ bool experts_tma_supported(int M, int H, int I) {
   return ok;
 }
 
-TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows, int l2_promotion) {
-  if (cols % kBK != 0 || (reinterpret_cast<uintptr_t>(p) & 15) != 0 || box_rows < 1 || box_rows > 256 || rows < 1)
-    throw_cuda_error("tma_map_bf16_rows", "cols must be a multiple of 64, the base 16-byte aligned, box rows 1..256",
-                     0, __FILE__, __LINE__);
-  if (l2_promotion != 0 && l2_promotion != 128 && l2_promotion != 256)
-    throw_cuda_error("tma_map_bf16_rows", "l2_promotion must be 0, 128 or 256 bytes", l2_promotion, __FILE__, __LINE__);
-  const CUtensorMapL2promotion promotion = l2_promotion == 0     ? CU_TENSOR_MAP_L2_PROMOTION_NONE
-                                           : l2_promotion == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
-                                                                 : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
-  CUtensorMap m;
-  std::memset(&m, 0, sizeof m);
-  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(cols) * sizeof(bf16)};
-  const cuuint32_t box[2] = {cuuint32_t(kBK), cuuint32_t(box_rows)};
-  const cuuint32_t estr[2] = {1, 1};
-  const CUresult r = encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(p), dims, strides, box,
-                                 estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
-                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) throw_cuda_error("cuTensorMapEncodeTiled", "tensor map rejected", int(r), __FILE__, __LINE__);
-  TmaMap out;
-  std::memcpy(&out, &m, sizeof m);
-  return out;
-}
 
 namespace {
 template <bool GATED, bool GATHER, bool FUSED = false>

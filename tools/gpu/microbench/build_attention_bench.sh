@@ -15,18 +15,23 @@ NVCC="${NVCC:-/usr/local/cuda/bin/nvcc} -std=c++20 -O3 -gencode arch=compute_90a
 [ "${TIMELINE:-0}" = 1 ] && NVCC="$NVCC -DDG_ATTN_TIMELINE"
 src=${ATTN_SRC:-src/backend/cuda/kernels_attention.cu}  # ATTN_SRC: build another copy of the file as "new"
 extra=""
+# The other functions the file exports get a suffix in a variant's copy (one definition each at link time).
+exports='s/void set_attention_splits(/void set_attention_splits_VAR(/; s/void set_attention_tma(/void set_attention_tma_VAR(/; s/int attention_timeline_slots(/int attention_timeline_slots_VAR(/; s/void attention_timeline(/void attention_timeline_VAR(/; s/void clear_attention_timeline(/void clear_attention_timeline_VAR(/'
 if [ -n "$VARIANT_SED" ]; then
   decl='^void attention(const AttentionArgs& a, cudaStream_t s) {'
-  sed "$VARIANT_SED; s/$decl/void attention_v3(const AttentionArgs\& a, cudaStream_t s) {/" "${VARIANT_SRC:-$src}" >"$out/attn_var.cu"
+  sed "$VARIANT_SED; $(echo "$exports" | sed 's/VAR/v3/g'); s/$decl/void attention_v3(const AttentionArgs\& a, cudaStream_t s) {/" \
+    "${VARIANT_SRC:-$src}" >"$out/attn_var.cu"
   grep -q attention_v3 "$out/attn_var.cu"
   $NVCC -c "$out/attn_var.cu" -o "$out/attn_var.o"
   extra="-DWITH_V3 $out/attn_var.o"
 fi
 if [ -n "$VARIANT_SED2" ]; then  # a second variant, "var2"
   decl='^void attention(const AttentionArgs& a, cudaStream_t s) {'
-  sed "$VARIANT_SED2; s/$decl/void attention_v4(const AttentionArgs\& a, cudaStream_t s) {/" "${VARIANT_SRC2:-$src}" >"$out/attn_var2.cu"
+  sed "$VARIANT_SED2; $(echo "$exports" | sed 's/VAR/v4/g'); s/$decl/void attention_v4(const AttentionArgs\& a, cudaStream_t s) {/" \
+    "${VARIANT_SRC2:-$src}" >"$out/attn_var2.cu"
   grep -q attention_v4 "$out/attn_var2.cu"
   $NVCC -c "$out/attn_var2.cu" -o "$out/attn_var2.o"
   extra="$extra -DWITH_V4 $out/attn_var2.o"
 fi
-$NVCC -cudart static tools/gpu/microbench/attention_bench.cu $src $extra -o "$out/attention_bench"
+$NVCC -cudart static tools/gpu/microbench/attention_bench.cu $src src/backend/cuda/tensor_map.cpp $extra \
+  -o "$out/attention_bench"
