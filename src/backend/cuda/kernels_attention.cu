@@ -1002,17 +1002,20 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       if (pend) mbar_arrive(pend);
       pend = next;
     };
+    // Signals the last cp.async load now (its copies landed), with none left pending.
+    auto flush = [&] {
+      cp_async_commit();
+      cp_async_wait<0>();
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      if (pend) mbar_arrive(pend);
+      pend = 0;
+    };
     // One K or V tile of keys j0 .. j0 + 63 into the stage at `dst`, completing barrier `bar`.
     auto load = [&](unsigned char* dst, bool is_k, int64_t j0, uint32_t bar) {
       const bf16 *cache = is_k ? a.k_cache : a.v_cache, *fresh = is_k ? a.k_new : a.v_new;
       if constexpr (TMA) {
         if (contiguous_keys(cache, fresh, a, D, kvh, 0, j0, je, fp_mod)) {
-          // The previous cp.async tile's barrier first (its copies landed), then this one at once.
-          cp_async_commit();
-          cp_async_wait<0>();
-          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-          if (pend) mbar_arrive(pend);
-          pend = 0;
+          flush();  // the previous cp.async tile's barrier first, then this one at once
           if (tid == 0) {
             const bool cached = j0 + 64 <= a.n_old;
             int64_t row = cached ? fp_mod + j0 : j0 - a.n_old;
@@ -1043,9 +1046,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       if (i >= 2) mbar_wait_cta(empty_v(s), uint32_t((i / 2 - 1) & 1));
       load(smem + C::q_bytes + (NK + s) * C::kv_bytes, false, jb + i * BN, full_v(s));
     }
-    cp_async_wait<0>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    if (pend) mbar_arrive(pend);
+    flush();
     DG_TL(tid == 0, kTlProducerDone, clock64());
   } else {  // ---- consumer warpgroups
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsRegs));
