@@ -275,6 +275,96 @@ TEST(CudaKernels, Attention) {
   check_attention(50, 4, 4, 80, 64, 10, 60, false, 0);
 }
 
+// softmax_rows_to_bf16 against a double softmax: every dispatch branch (row in registers with 64 / 128 / 256 threads,
+// the long two-pass kernel), rows in groups at a stride (the rows between stay untouched), n not a multiple of 4,
+// the columns [n, n_cols) written as exact zeros, bitwise repeatable.
+TEST(CudaKernels, SoftmaxRowsToBf16) {
+  REQUIRE_GPU();
+  for (auto [rows, groups, group_rows, n, n_cols] :
+       {std::tuple{5, 3, 7, 37, 40}, std::tuple{3, 2, 3, 1, 64}, std::tuple{9, 2, 11, 1500, 1536},
+        std::tuple{4, 3, 4, 4352, 4352}, std::tuple{2, 2, 5, 9001, 9088}, std::tuple{3, 1, 3, 20001, 20032}}) {
+    const int ld = (n_cols + 7) / 8 * 8 + 8;
+    const size_t total = size_t(groups) * group_rows * ld;
+    auto S = rnd(total, -30, 30);
+    Dev<float> dS(total);
+    Dev<bf16> dP(total);
+    dS.put(S);
+    softmax_rows_to_bf16(dS.p, ld, rows, groups, group_rows, n, n_cols, dP.p, nullptr);
+    const auto P = from_bf16(dP.get());
+    for (int g = 0; g < groups; ++g)
+      for (int r = 0; r < group_rows; ++r) {
+        const size_t off = (size_t(g) * group_rows + r) * ld;
+        if (r >= rows) {  // not a row of this call: still the poison
+          EXPECT_TRUE(std::isnan(P[off])) << "row " << r << " of group " << g << " was written";
+          continue;
+        }
+        double mx = -INFINITY, sum = 0;
+        for (int c = 0; c < n; ++c) mx = std::max(mx, double(S[off + c]));
+        for (int c = 0; c < n; ++c) sum += std::exp(double(S[off + c]) - mx);
+        double worst = 0, psum = 0;
+        for (int c = 0; c < n; ++c) {
+          const double want = std::exp(double(S[off + c]) - mx) / sum;
+          worst = std::max(worst, std::fabs(P[off + c] - want) / std::max(want, 1e-30));
+          psum += P[off + c];
+        }
+        EXPECT_LE(worst, 1.0 / 256) << "n " << n << " row " << r << " group " << g;  // bf16 rounding (+ f32 exp)
+        EXPECT_NEAR(psum, 1.0, 1e-2) << "n " << n;
+        for (int c = n; c < n_cols; ++c) EXPECT_EQ(P[off + c], 0.0f) << "n " << n << " column " << c;
+      }
+    Dev<bf16> dP2(total);
+    softmax_rows_to_bf16(dS.p, ld, rows, groups, group_rows, n, n_cols, dP2.p, nullptr);
+    auto a = dP.get(), b = dP2.get();
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)), 0) << "n " << n << ": not repeatable";
+  }
+  EXPECT_THROW(softmax_rows_to_bf16(nullptr, 16, 1, 1, 1, 5, 6, nullptr, nullptr), std::exception);  // n_cols % 4
+}
+
+// gemm_attention (cuBLASLt S = Q K^T, softmax, O = P V) against cpu::attention over keys [0, n) with every key
+// visible: GQA groups 1 / 3 / 8, head dims 32 / 48 / 256 / 512, one query, n not a multiple of the 64-key columns
+// (the rows past n are finite garbage: their P must be 0), the model's full layer at kv 4096; repeatable bitwise.
+void check_gemm_attention(int T, int nh, int nkv, int D, int n) {
+  const int n_cols = gemm_attention_key_columns(n), head_rows = T + 3, ld = n_cols + 64;
+  const size_t row = size_t(nkv) * D;
+  auto q = rnd(size_t(T) * nh * D), k = rnd(size_t(n_cols) * row), v = rnd(k.size());
+  Dev<bf16> dq(q.size()), dk(k.size()), dv(v.size()), out(q.size()), out2(q.size());
+  dq.put(to_bf16(q)), dk.put(to_bf16(k)), dv.put(to_bf16(v));
+  Dev<float> S(size_t(nh) * head_rows * ld);
+  Dev<bf16> P(S.n);
+  Dev<void*> ptrs(gemm_attention_pointer_count(nh));
+  Gemm gemm;
+  GemmAttentionArgs a{dq.p, nh, nkv, D, dk.p, dv.p, S.p, P.p, head_rows, ld, out.p, ptrs.p};
+  set_gemm_attention_pointers(a, nullptr);
+  gemm_attention(gemm, a, T, n, nullptr);
+  const auto got = from_bf16(out.get());
+  std::vector<float> want(q.size());
+  std::vector<int64_t> qpos(static_cast<size_t>(T), 0);
+  cpu::AttentionMask m;
+  m.kind = cpu::AttentionMask::Bidirectional;
+  m.q_pos = qpos.data();
+  ThreadPool pool(2);
+  cpu::attention(pool, q.data(), T, nh, k.data(), v.data(), n, nkv, D, m, want.data());
+  EXPECT_LE(rel_err(got, want), 2e-2) << "T " << T << " nh " << nh << " nkv " << nkv << " D " << D << " n " << n;
+  a.out = out2.p;
+  set_gemm_attention_pointers(a, nullptr);
+  gemm_attention(gemm, a, T, n, nullptr);
+  auto x = out.get(), y = out2.get();
+  EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(bf16)), 0) << "not repeatable, D " << D;
+}
+
+TEST(CudaKernels, GemmAttention) {
+  REQUIRE_GPU();
+  check_gemm_attention(19, 4, 4, 32, 50);
+  check_gemm_attention(33, 6, 2, 48, 97);
+  check_gemm_attention(1, 16, 8, 256, 1279);
+  check_gemm_attention(70, 16, 2, 512, 651);
+  check_gemm_attention(256, 16, 2, 512, 4352);
+  Gemm gemm;
+  GemmAttentionArgs a{};
+  a.nh = 4, a.nkv = 2, a.D = 32, a.head_rows = 8, a.ld = 64;
+  EXPECT_THROW(gemm_attention(gemm, a, 9, 10, nullptr), std::exception);   // T > head_rows
+  EXPECT_THROW(gemm_attention(gemm, a, 4, 65, nullptr), std::exception);   // 128 key columns > ld
+}
+
 TEST(CudaKernels, RouteTopK) {
   REQUIRE_GPU();
   // warp-per-token kernel (E <= 256): awkward sizes, the model's 128/8, a full 256; block kernel above 256 experts

@@ -39,6 +39,7 @@ struct BenchArgs {
   bool cublas_experts = false, tma_experts_down = false, no_tma_gather = false, static_expert_tiles = false;
   int attn_splits = 0;
   bool no_attn_tma = false;  // cuda::set_attention_tma(false)
+  bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   bool router_tc = false;
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
@@ -100,6 +101,7 @@ int run_bench(const BenchArgs& args) {
   opt.padded_experts = !args.grouped_experts;
   opt.overlap_dense_mlp = !args.no_overlap;
   opt.fused_router = !args.cublas_router;
+  opt.gemm_attention = !args.no_gemm_attention;
   if (args.dense_mlp_sms >= 0) opt.dense_mlp_sms = args.dense_mlp_sms;
   opt.tma_experts = !args.cublas_experts;
   opt.tma_experts_down = args.tma_experts_down;
@@ -144,6 +146,7 @@ int run_bench(const BenchArgs& args) {
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = opt.dense_mlp_sms;
   out["pdl"] = !args.no_pdl;
+  out["full_layer_denoise_attention"] = opt.gemm_attention ? "cuBLASLt S = QK^T, softmax, PV" : "fused attention_wgx_k";
   out["router"] = opt.fused_router ? "router_top_k (two launches, expert masks)" : "cuBLASLt f32 GEMM + top-k + assign";
   out["experts"] = args.grouped_experts ? "grouped kernels"
                    : args.cublas_experts ? "padded strided-batched cuBLASLt"
@@ -354,6 +357,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--router-tc", a->router_tc,
                                     "A/B: the router's partial logits as 3xTF32 on the tensor cores instead of f32 "
                                     "FMAs (cuda::set_router_tensor_cores)");
+                       sub.add_flag("--no-gemm-attention", a->no_gemm_attention,
+                                    "A/B: the full layers' denoise attention on the fused kernel instead of two "
+                                    "cuBLASLt GEMMs around a softmax (CudaOptions::gemm_attention = false)");
                        sub.add_flag("--no-attn-tma", a->no_attn_tma,
                                     "A/B: the sliding attention kernel's K / V tiles all by cp.async instead of TMA "
                                     "(cuda::set_attention_tma)");

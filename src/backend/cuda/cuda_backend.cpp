@@ -41,6 +41,7 @@ struct DevLayer {
   float enc_scalar = 1, dec_scalar = 1;
   bf16 *kc, *vc;
   int64_t cap = 0;
+  void** attn_ptrs = nullptr;  // full layers with gemm_attention_: the denoise attention's batch pointers
   cuda::TmaMap exp_gu_map{}, exp_down_map{};  // over exp_gu / exp_down for the TMA expert kernels (use_tma_experts_)
 };
 
@@ -57,6 +58,8 @@ struct Scratch {
   cuda::DeviceRowStats* stats;
   void* row_stats_scratch;     // softcap_row_stats partials
   cuda::ScSurvivorBuffers sc;  // sparse SC survivors (CudaOptions::sc_sparse only)
+  float* attn_S;               // gemm attention: [nh][canvas_length][attn_ld] scores
+  bf16* attn_P;                // and probabilities
 };
 
 }  // namespace
@@ -320,6 +323,12 @@ class CudaBackend final : public Backend {
     if (opt.sc_sparse && !(opt.sc_sparse_max_tail >= 0 && opt.sc_sparse_max_tail < 1))
       fail("CudaOptions::sc_sparse_max_tail must be in [0, 1), got {}", opt.sc_sparse_max_tail);
 
+    if (opt.gemm_attention && !(opt.gemm_attention_max_keys >= 1))
+      fail("CudaOptions::gemm_attention_max_keys must be >= 1, got {}", opt.gemm_attention_max_keys);
+    gemm_attention_ = opt.gemm_attention;
+    attn_ld_ = cuda::gemm_attention_key_columns(
+        int(std::min<int64_t>(opt.max_context, std::max(1, opt.gemm_attention_max_keys))));
+
     Arena dry;
     layout(dry);
     size_t free_b = 0, total_b = 0;
@@ -332,6 +341,14 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
     layout(arena_);
     CUDA_CHECK(cudaMemset(s_.expert_tile_counters, 0, (2 + size_t(cfg_.num_experts)) * sizeof(unsigned)));
+    for (DevLayer& L : layers_) {
+      if (!L.attn_ptrs) continue;
+      const size_t bytes = (size_t(L.cap) + cuda::kGemmAttentionKeyAlign) * size_t(L.shape.n_kv_heads) *
+                           size_t(L.shape.head_dim) * sizeof(bf16);
+      CUDA_CHECK(cudaMemset(L.kc, 0, bytes));
+      CUDA_CHECK(cudaMemset(L.vc, 0, bytes));
+      cuda::set_gemm_attention_pointers(gemm_attention_args(L), stream_);
+    }
     {
       const int H = cfg_.hidden_size, Ie = cfg_.moe_intermediate_size, E = cfg_.num_experts;
       const int M = cuda::moe_padded_rows_per_expert(cfg_.canvas_length, cfg_.top_k_experts, E);
@@ -662,6 +679,19 @@ class CudaBackend final : public Backend {
     g.linear(s_.actd, Dt::BF16, T, down, Dt::BF16, cfg_.hidden_size, I, y, Dt::BF16, st);
   }
 
+  // The GEMM attention's buffers for full layer L (its batch pointers depend only on these).
+  cuda::GemmAttentionArgs gemm_attention_args(const DevLayer& L) const {
+    cuda::GemmAttentionArgs g{};
+    g.q = s_.q;
+    g.nh = cfg_.num_heads, g.nkv = L.shape.n_kv_heads, g.D = L.shape.head_dim;
+    g.k = L.kc, g.v = L.vc;
+    g.S = s_.attn_S, g.P = s_.attn_P;
+    g.head_rows = cfg_.canvas_length, g.ld = attn_ld_;
+    g.out = s_.att;
+    g.ptrs = L.attn_ptrs;
+    return g;
+  }
+
   void layer(int l, Pass pass, int T) {
     DevLayer& L = layers_[size_t(l)];
     const int H = cfg_.hidden_size, nh = cfg_.num_heads, nkv = L.shape.n_kv_heads, D = L.shape.head_dim;
@@ -672,9 +702,18 @@ class CudaBackend final : public Backend {
     // Layer l > 0 finds its input norm in x already: the previous layer's combine kernel wrote it.
     if (l == 0) cuda::rms_norm_f32_to_bf16(s_.h, T, H, L.input_norm, eps, s_.x, stream_);
     gemm_->linear(s_.x, Dt::BF16, T, L.wqkv, Dt::BF16, L.nqkv, H, s_.qkv, Dt::BF16, stream_);
+    // A denoise pass of a full layer on the GEMM attention: the canvas keys / values go straight into the cache rows
+    // after the cached ones (the positions they will have once committed; a commit rewrites them), so that all keys
+    // are rows [0, kv_len + T) of one matrix.
+    const int64_t n_keys = kv_len_ + T;
+    const bool gemm_attn = pass == Pass::Decoder && L.attn_ptrs && T <= cfg_.canvas_length && n_keys <= attn_ld_ &&
+                           cuda::gemm_attention_key_columns(int(n_keys)) <= attn_ld_;
+    bf16* kn = gemm_attn ? L.kc + size_t(kv_len_) * nkv * D : s_.kn;
+    bf16* vn = gemm_attn ? L.vc + size_t(kv_len_) * nkv * D : s_.vn;
     cuda::qkv_norm_rope(s_.qkv, T, nh, nkv, D, !L.shape.has_v_proj, L.q_norm, L.k_norm, L.inv_freq, kv_len_, eps,
-                        s_.q, s_.kn, s_.vn, stream_);
+                        s_.q, kn, vn, stream_);
     mark(kStAttnProj);
+    if (gemm_attn) cuda::gemm_attention(*gemm_, gemm_attention_args(L), T, int(n_keys), stream_);
     cuda::AttentionArgs a{};
     a.q = s_.q;
     a.T = T, a.nh = nh, a.nkv = nkv, a.D = D;
@@ -686,7 +725,7 @@ class CudaBackend final : public Backend {
     a.causal = pass == Pass::Encoder;
     a.window = sliding ? cfg_.sliding_window : 0;
     a.out = s_.att;
-    cuda::attention(a, stream_);
+    if (!gemm_attn) cuda::attention(a, stream_);
     mark(kStAttention);
     if (pass == Pass::Encoder) cuda::kv_write(s_.kn, s_.vn, T, nkv * D, kv_len_, L.kc, L.vc, L.cap, stream_);
     gemm_->linear(s_.att, Dt::BF16, T, L.wo, Dt::BF16, H, nh * D, s_.a, Dt::BF16, stream_);
@@ -844,9 +883,15 @@ class CudaBackend final : public Backend {
                   ? std::min<int64_t>(opt_.max_context, cfg_.sliding_window - 1 + opt_.sliding_rewind)
                   : opt_.max_context;
       L.cap = std::max<int64_t>(L.cap, 1);
-      L.kc = ar.take<bf16>(size_t(L.cap) * nkv * D);
-      L.vc = ar.take<bf16>(size_t(L.cap) * nkv * D);
+      // Full layers with the GEMM attention: + the rows its key columns round up into (zeroed at allocation: P is 0
+      // there, and 0 times a finite value is 0).
+      const size_t pad = gemm_attention_ && L.shape.kind != LayerKind::Sliding ? cuda::kGemmAttentionKeyAlign : 0;
+      L.kc = ar.take<bf16>((size_t(L.cap) + pad) * nkv * D);
+      L.vc = ar.take<bf16>((size_t(L.cap) + pad) * nkv * D);
+      L.attn_ptrs = pad ? ar.take<void*>(cuda::gemm_attention_pointer_count(int(nh))) : nullptr;
     }
+    s_.attn_S = gemm_attention_ ? ar.take<float>(nh * Lc * size_t(attn_ld_)) : nullptr;
+    s_.attn_P = gemm_attention_ ? ar.take<bf16>(nh * Lc * size_t(attn_ld_)) : nullptr;
     s_.ids = ar.take<int32_t>(Tm);
     s_.h = ar.take<float>(Tm * H);
     s_.xr = ar.take<float>(Tm * H);
@@ -900,6 +945,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::Gemm> gemm_, gemm_side_;
   std::vector<DevLayer> layers_;  // CudaWeights' pointers + this backend's KV regions
   Scratch s_{};
+  bool gemm_attention_ = false;  // CudaOptions::gemm_attention
+  int attn_ld_ = 0;              // the GEMM attention's S / P row length: most keys it takes, rounded up
   bool use_tma_experts_ = false;        // CudaOptions::tma_experts and experts_tma_supported at the canvas shape
   cuda::TmaMap xs_map_{}, acte_map_{};  // over the padded rows of s_.xs / s_.acte (box M rows)
   int32_t* host_ids_ = nullptr;

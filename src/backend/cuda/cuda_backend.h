@@ -38,6 +38,13 @@ struct CudaOptions {
   // Sliding layers keep a ring of (sliding_window - 1) + sliding_rewind slots, so a truncate of up to
   // sliding_rewind tokens needs no recomputation.
   int64_t sliding_rewind = 512;
+  // Denoise passes run the full-attention layers' attention as two cuBLASLt GEMMs around one softmax kernel
+  // (kernels_attention_gemm.cu; every canvas query sees the same keys) instead of the fused attention_wgx_k, up to
+  // gemm_attention_max_keys keys (cached + canvas); beyond, the fused kernel. Its scores and probabilities take
+  // num_heads x canvas_length x min(max_context, gemm_attention_max_keys) x 6 bytes (830 MB at the defaults).
+  // H200, full layer at kv 4096: 89.6 vs 138.9 us alone (session 9). A/B: bench --no-gemm-attention.
+  bool gemm_attention = true;
+  int gemm_attention_max_keys = 36864;
   int prefill_chunk = 4096;  // prefill runs in chunks of at most this many tokens (bounds the scratch arenas)
   bool progress = true;      // weight upload progress on stderr
   CudaStageTimes* stage_times = nullptr;  // not owned; see CudaStageTimes

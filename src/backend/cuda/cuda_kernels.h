@@ -12,6 +12,7 @@
 namespace dg::cuda {
 
 using bf16 = __nv_bfloat16;
+class Gemm;  // gemm.h
 
 // ---- elementwise / row kernels (kernels_rows.cu) ----
 // out[t, :] = E[ids[t], :] * scale (f32 out; the residual stream is f32).
@@ -129,6 +130,33 @@ void set_attention_splits(int n);
 // A/B (bench --no-attn-tma): attention_ws_k's contiguous K / V tiles by TMA (on, the default) or all by cp.async.
 // The results are bitwise the same.
 void set_attention_tma(bool on);
+
+// ---- denoise attention on cuBLASLt (kernels_attention_gemm.cu) ----
+// A denoise pass's queries all see the same n keys (no mask), so per query head h (kv head h / (nh / nkv)):
+// S_h = Q_h K^T in f32, P_h = bf16(softmax(S_h)) (max and sum in f32, normalized before the rounding), O_h = P_h V in
+// bf16 (f32 accumulation). The two products are pointer-array batched cuBLASLt GEMMs over the key rows [0, n rounded
+// up to kGemmAttentionKeyAlign): the rows past n must hold finite values (their P is 0).
+struct GemmAttentionArgs {
+  const bf16* q;       // [T, nh, D]
+  int nh, nkv, D;
+  const bf16 *k, *v;   // [rows, nkv, D]
+  float* S;            // [nh][head_rows][ld] scores
+  bf16* P;             // [nh][head_rows][ld] probabilities
+  int head_rows, ld;   // head_rows >= every T; ld >= every n rounded up, ld % 8 == 0
+  bf16* out;           // [T, nh, D]
+  void** ptrs;         // device array of gemm_attention_pointer_count(nh) matrix pointers (set_gemm_attention_pointers)
+};
+constexpr int kGemmAttentionKeyAlign = 64;  // cuBLASLt's kernels ran ~5x slower at 1279 keys than at 1280 (H200)
+int gemm_attention_key_columns(int n);      // n rounded up to kGemmAttentionKeyAlign
+size_t gemm_attention_pointer_count(int nh);
+// Writes a's batch pointers (they depend only on the buffers) into a.ptrs; synchronizes s.
+void set_gemm_attention_pointers(const GemmAttentionArgs& a, cudaStream_t s);
+// Attention of T queries over keys [0, n) on gemm's stream s (three launches: S GEMM, softmax, PV GEMM).
+void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaStream_t s);
+// P[r, c] = bf16(exp(S[r, c] - max) / sum) for c < n (max, sum over c < n in f32), 0 for n <= c < n_cols; row r of
+// group g at S + (g group_rows + r) ld (P likewise), r < rows. n_cols % 4 == 0, ld % 8 == 0.
+void softmax_rows_to_bf16(const float* S, int ld, int rows, int groups, int group_rows, int n, int n_cols, bf16* P,
+                          cudaStream_t s);
 
 // ---- MoE (kernels_moe.cu) ----
 // Router over f32 logits [T, E]: softmax, top-k (higher prob first, ties -> lower index), renormalized,

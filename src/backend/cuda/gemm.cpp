@@ -99,13 +99,20 @@ void Gemm::through_table(const void* p, Dt pt, int T, const void* E, Dt et, int 
   run(false, H, T, V, E, et, H, p, pt, V, y, yt, H, s);
 }
 
+void Gemm::batched_pointers(bool transa, int m, int n, int k, const void* A, Dt at, int lda, const void* B, Dt bt,
+                            int ldb, void* C, Dt ct, int ldc, int batch, cudaStream_t s) {
+  run(transa, m, n, k, A, at, lda, B, bt, ldb, C, ct, ldc, s, batch, true);
+}
+
 void Gemm::run(bool transa, int m, int n, int k, const void* A, Dt at, int lda, const void* B, Dt bt, int ldb,
-               void* C, Dt ct, int ldc, cudaStream_t s, int batch) {
+               void* C, Dt ct, int ldc, cudaStream_t s, int batch, bool pointer_array) {
   if (m == 0 || n == 0 || batch == 0) return;
-  Key key{transa, m, n, k, int(at), int(bt), int(ct), batch};
+  Key key{transa, m, n, k, int(at), int(bt), int(ct), batch, lda, ldb, ldc, pointer_array};
   auto it = plans_.find(key);
   if (it == plans_.end())
-    it = plans_.emplace(key, make_plan(transa, m, n, k, at, bt, ct, lda, ldb, ldc, batch, A, B, C, s)).first;
+    it = plans_
+             .emplace(key, make_plan(transa, m, n, k, at, bt, ct, lda, ldb, ldc, batch, pointer_array, A, B, C, s))
+             .first;
   const float alpha = 1.0f, beta = 0.0f;
   Plan& p = it->second;
   CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.c, C, p.c, &p.algo, workspace_,
@@ -113,7 +120,8 @@ void Gemm::run(bool transa, int m, int n, int k, const void* A, Dt at, int lda, 
 }
 
 Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct, int lda, int ldb,
-                           int ldc, int batch, const void* A, const void* B, void* C, cudaStream_t s) {
+                           int ldc, int batch, bool pointer_array, const void* A, const void* B, void* C,
+                           cudaStream_t s) {
   Plan p;
   const bool all_f32 = at == Dt::F32 && bt == Dt::F32;
   // f32 operands (the router) use true f32 arithmetic: routing near-ties must not flip on TF32 rounding.
@@ -128,7 +136,14 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, cuda_type(at), transa ? k : m, transa ? m : k, lda));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, cuda_type(bt), k, n, ldb));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, cuda_type(ct), m, n, ldc));
-  if (batch > 1) {  // densely packed operands: A_b at b m k, B_b at b k n, C_b at b m n
+  if (pointer_array) {
+    const int32_t count = batch;
+    const uint32_t mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
+    for (cublasLtMatrixLayout_t l : {p.a, p.b, p.c}) {
+      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count));
+      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_MODE, &mode, sizeof mode));
+    }
+  } else if (batch > 1) {  // densely packed operands: A_b at b m k, B_b at b k n, C_b at b m n
     const int32_t count = batch;
     const int64_t strides[3] = {int64_t(m) * k, int64_t(k) * n, int64_t(m) * n};
     const cublasLtMatrixLayout_t layouts[3] = {p.a, p.b, p.c};
@@ -160,10 +175,11 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
   if (ok.empty())
     fail("cuBLASLt found no algorithm for a {}x{}x{} GEMM ({} operands)", m, n, k, all_f32 ? "f32" : "bf16");
   int pick = ok[0];
+  const int table_batch = pointer_array ? -batch : batch;
   for (const TunedEntry& t : kTuned) {
     if (!g_table) break;
     if (t.sm != sm_ || t.transa != transa || t.m != m || t.n != n || t.k != k || t.at != int(at) ||
-        t.bt != int(bt) || t.ct != int(ct) || t.batch != batch)
+        t.bt != int(bt) || t.ct != int(ct) || t.batch != table_batch)
       continue;
     for (int i : ok)
       if (config_of(res[size_t(i)].algo) == t.config) pick = i;
@@ -202,7 +218,7 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
     std::snprintf(line, sizeof line,
                   "{%d, %s, %d, %d, %d, %d, %d, %d, %d, %s},  // heuristic first %.1f us, table %.1f us, best %.1f "
                   "us (candidate %d of %zu)",
-                  sm_, transa ? "true" : "false", m, n, k, int(at), int(bt), int(ct), batch,
+                  sm_, transa ? "true" : "false", m, n, k, int(at), int(bt), int(ct), table_batch,
                   config_text(config_of(res[size_t(best)].algo)).c_str(), double(us[size_t(ok[0])]),
                   double(us[size_t(pick)]), double(us[size_t(best)]), best, ok.size());
     report().push_back(line);

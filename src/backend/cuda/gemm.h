@@ -48,6 +48,11 @@ class Gemm {
                       cudaStream_t s);
   // y[T, H] = p[T, V] . E[V, H]   (soft embedding through the table)
   void through_table(const void* p, Dt pt, int T, const void* E, Dt et, int V, int H, void* y, Dt yt, cudaStream_t s);
+  // For b in [0, batch): column-major C_b[m, n] = op(A_b) B_b, op(A) = A^T when transa (A_b then [k, m]). A, B, C
+  // are device arrays of `batch` matrix pointers (cuBLASLt's pointer-array batch), every A_b with leading dimension
+  // lda, and so on. In the tuned table (gemm_tuned.inc) such a plan's batch is written negative.
+  void batched_pointers(bool transa, int m, int n, int k, const void* A, Dt at, int lda, const void* B, Dt bt, int ldb,
+                        void* C, Dt ct, int ldc, int batch, cudaStream_t s);
 
  private:
   struct Plan {
@@ -55,12 +60,13 @@ class Gemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
-  // column-major C[m, n] = op(A) op(B), `batch` times at strides m k / k n / m n; key: transa, m, n, k, dtypes, batch
-  using Key = std::tuple<bool, int, int, int, int, int, int, int>;
+  // column-major C[m, n] = op(A) op(B), `batch` times at strides m k / k n / m n (pointer_array: A, B, C are arrays
+  // of batch pointers); key: transa, m, n, k, dtypes, batch, leading dimensions, pointer_array
+  using Key = std::tuple<bool, int, int, int, int, int, int, int, int, int, int, bool>;
   void run(bool transa, int m, int n, int k, const void* A, Dt at, int lda, const void* B, Dt bt, int ldb, void* C,
-           Dt ct, int ldc, cudaStream_t s, int batch = 1);
+           Dt ct, int ldc, cudaStream_t s, int batch = 1, bool pointer_array = false);
   Plan make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct, int lda, int ldb, int ldc,
-                 int batch, const void* A, const void* B, void* C, cudaStream_t s);
+                 int batch, bool pointer_array, const void* A, const void* B, void* C, cudaStream_t s);
   cublasLtHandle_t handle_ = nullptr;
   int sm_count_target_ = 0;
   int sm_ = 0;  // compute capability major * 10 + minor (the tuned table's architecture key)
