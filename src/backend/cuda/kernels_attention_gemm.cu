@@ -5,8 +5,12 @@
 // O_h = P_h V_{h/g}, and the two products run at cuBLASLt's tensor rate instead of the fused kernels' per-tile
 // online softmax. H200 (tools/gpu/microbench/attention_gemm_bench.cu, session 9): a full layer at kv 4096 (4352 keys,
 // D 512) 89.6 us (S 37.0, softmax 29.0, PV 26.7) against 138.9 us for attention_wgx_k; at kv 512 24.1 against 39.9.
-// Sliding layers (D 256, 1279 keys) gain less (25.9 against 31.1 us with the keys padded to 1280; at 1279 keys
-// cuBLASLt's kernels ran 5x slower) and their keys are not contiguous in the ring, so they keep the fused kernel.
+// In the step (kv 4096, same call): 17.06 vs 17.27 ms (bench --no-gemm-attention). Sliding layers (D 256, 1279 keys)
+// gain less alone, 25.9 against 31.1 us with the keys padded to 1280 (at 1279 keys cuBLASLt's kernels ran 5x slower,
+// hence kGemmAttentionKeyAlign), and nothing in the step: tried with the ring stored twice (every slot at rows s and
+// cap + s, canvas_length reserve slots) so that a wrapped window plus the canvas is one run of rows, 4K step
+// 17.20 / 17.18 ms with and 17.20 / 17.18 without (session 9); its S GEMM at K = 256 runs at ~245 TFLOP/s and the
+// cuBLASLt launches are not programmatic. So they keep the fused kernel.
 //
 // Numerics: S in f32, the row max and sum over the whole row in f32, P = bf16(exp(s - max) / sum) (normalized before
 // the rounding, as HF's eager path rounds its f32 softmax), O = P V accumulated in f32 and rounded to bf16 once.
@@ -149,16 +153,21 @@ void softmax_rows_to_bf16(const float* S, int ld, int rows, int groups, int grou
 
 size_t gemm_attention_pointer_count(int nh) { return size_t(6) * size_t(nh); }
 
+void gemm_attention_pointers(const GemmAttentionArgs& a, void** out) {
+  const int g = a.nh / a.nkv, nh = a.nh;
+  for (int h = 0; h < nh; ++h) {
+    out[h] = const_cast<bf16*>(a.k + size_t(h / g) * a.D);                     // S: A (keys)
+    out[nh + h] = const_cast<bf16*>(a.q + size_t(h) * a.D);                    // S: B (queries)
+    out[2 * nh + h] = a.S + size_t(h) * a.head_rows * a.ld;                     // S: C
+    out[3 * nh + h] = const_cast<bf16*>(a.v + size_t(h / g) * a.D);             // PV: A (values)
+    out[4 * nh + h] = a.P + size_t(h) * a.head_rows * a.ld;                     // PV: B
+    out[5 * nh + h] = a.out + size_t(h) * a.D;                                  // PV: C
+  }
+}
+
 void set_gemm_attention_pointers(const GemmAttentionArgs& a, cudaStream_t s) {
-  const int g = a.nh / a.nkv;
-  std::vector<const void*> p;
-  p.reserve(gemm_attention_pointer_count(a.nh));
-  for (int h = 0; h < a.nh; ++h) p.push_back(a.k + size_t(h / g) * a.D);                   // S: A (keys)
-  for (int h = 0; h < a.nh; ++h) p.push_back(a.q + size_t(h) * a.D);                       // S: B (queries)
-  for (int h = 0; h < a.nh; ++h) p.push_back(a.S + size_t(h) * a.head_rows * a.ld);         // S: C
-  for (int h = 0; h < a.nh; ++h) p.push_back(a.v + size_t(h / g) * a.D);                   // PV: A (values)
-  for (int h = 0; h < a.nh; ++h) p.push_back(a.P + size_t(h) * a.head_rows * a.ld);         // PV: B
-  for (int h = 0; h < a.nh; ++h) p.push_back(a.out + size_t(h) * a.D);                     // PV: C
+  std::vector<void*> p(gemm_attention_pointer_count(a.nh));
+  gemm_attention_pointers(a, p.data());
   CUDA_CHECK(cudaMemcpyAsync(a.ptrs, p.data(), p.size() * sizeof(void*), cudaMemcpyHostToDevice, s));
   CUDA_CHECK(cudaStreamSynchronize(s));  // p is pageable and about to go away
 }

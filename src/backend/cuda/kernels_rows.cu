@@ -404,77 +404,82 @@ __device__ __forceinline__ void better(float& bv, int& bi, float v, int i) {
 
 // ---- softcap + row statistics (+ SC probs) ----
 // Three launches over [rows, V] (was one 1024-thread block per row with three passes over the row, exp in double:
-// 0.556 ms at 256 x 262144 on the H200, now 0.339 with probs; tools/gpu/microbench/rowstats_bench.cu):
+// 0.556 ms at 256 x 262144 on the H200, 0.339 with probs for the first tiled version of this;
+// tools/gpu/microbench/rowstats_bench.cu times the two against each other):
 //  1. rowstats_tile_k: grid (tiles of kRsTile tokens, rows). Each block reads its tile once into registers (16-byte
-//     loads when V % 4 == 0), softcaps it in place, takes the tile's max / argmax of z = c / T, then
-//     s = sum exp(z - m_tile), w = sum exp(z - m_tile) (z - m_tile) (expf per token; each thread sums its 32
-//     same-signed terms in f32, relative error <= 2e-6, then double across the block in a fixed tree)
-//     -> one RowPartial per tile. This pass is bound by its arithmetic (tanhf, two IEEE divisions and an expf per
-//     token) and barriers, not by its traffic: 0.238 ms stats-only at 256 x 262144 on the H200 where a copy moves
-//     the same 537 MB in 0.133 (per-token double accumulation, the first version: 0.253).
-//  2. rowstats_merge_k: one warp per row merges the row's tiles in a fixed order: M = max m, argmax = lowest index
-//     among equal maxima, S = sum s_k e^(m_k - M), W = sum e^(m_k - M) (w_k + (m_k - M) s_k) in double
+//     loads when V % 4 == 0, a full tile's eight issued before any arithmetic), softcaps it in place, and each warp
+//     takes the max / argmax of z = c / T over its 1024 tokens, then s = sum exp(z - m), w = sum exp(z - m) (z - m)
+//     with m the warp's max (each thread sums its 32 same-signed terms in f32, relative error <= 2e-6, then double
+//     across the warp in a fixed tree) -> one RowPartial per warp: no barrier, no shared memory. The first tiled
+//     version (one partial per block, four barriers) was bound by its arithmetic, not its traffic (0.238 ms
+//     stats-only where a copy moves the same 537 MB in 0.133): per token two IEEE divisions of ~10 instructions
+//     each with a slow-path branch (x / cap, c / T), tanhf and an expf. The divisions are now div_rcp (3
+//     instructions, the same bits for the operands that occur) and the exp is __expf (kRsFastExp). H200 timing:
+//     see docs/BENCHMARKS.md.
+//  2. rowstats_merge_k: one warp per row merges the row's warp partials in a fixed order: M = max m, argmax = lowest
+//     index among equal maxima, S = sum s_k e^(m_k - M), W = sum e^(m_k - M) (w_k + (m_k - M) s_k) in double
 //     -> DeviceRowStats (H = log S - W / S, as compute_row_stats).
 //  3. rowstats_probs_k (probs != nullptr): probs = bf16(expf(z - M) * inv_sum), tiles in reverse order so that the
 //     first blocks read the capped logits that pass 1 wrote last (still in L2).
 // No atomics, fixed reduction orders: bitwise deterministic.
 constexpr int kRsThreads = 256, kRsVec = 8;               // float4 loads per thread
 constexpr int kRsTile = kRsThreads * kRsVec * 4;          // 8192 tokens per block
+constexpr int kRsWarps = kRsThreads / 32;                 // partials per tile
+// The terms of s and w as __expf(d) (ex2.approx of d log2(e), 2 instructions; CUDA's bound: 2 + 1.17 |d| ulp) rather
+// than expf (8 instructions, 2 ulp): the sums are dominated by the terms with d near 0, and they were already f32
+// per thread. rowstats_bench compares both against the CPU oracle and the previous kernel; the probs keep expf.
+constexpr bool kRsFastExp = true;
 struct RowPartial {
   double s, w;
   float m;
   int32_t idx;
 };
 
-__device__ __forceinline__ float softcap1(float x, float cap) { return cap * tanhf(x / cap); }
-
-// Block-wide (max, lowest index) of (bv, bi); every thread gets the result.
-__device__ __forceinline__ void block_argmax(float& bv, int& bi) {
-  __shared__ float sv[32];
-  __shared__ int si[32];
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    better(bv, bi, ov, oi);
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  __syncthreads();
-  if (lane == 0) sv[warp] = bv, si[warp] = bi;
-  __syncthreads();
-  bv = lane < nw ? sv[lane] : -INFINITY;
-  bi = lane < nw ? si[lane] : INT32_MAX;
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    better(bv, bi, ov, oi);
-  }
+// a / b rounded to nearest like div.rn, from r = RN(1 / b): q = RN(a r) is within an ulp of a / b, the residual
+// b q - a is exact in one FMA, and one correction step then rounds correctly (Markstein's theorem); negating r
+// rather than the residual keeps the sign of a zero quotient. Exact only while the residual does not underflow:
+// host-checked bitwise against a / b for every float a with b = 30 (1 bit apart only for |a| < 2.4e-38, 559240 of
+// 4.28e9) and for every |a| <= 1e4 with 101 values of b spread over [0.3, 1] (8.9e8 of 2.4e11 one bit apart, every
+// one with |a| < 2^-102 ~ 2e-31), plus 4e9 random (a, b) with 2^-102 <= |a| <= 1e4, b in [0.3, 1]: none apart.
+// Infinite a gives NaN (the residual is inf - inf): softcap_rcp clamps.
+__device__ __forceinline__ float div_rcp(float a, float b, float r) {
+  const float q = __fmul_rn(a, r);
+  return __fmaf_rn(__fmaf_rn(b, q, -a), -r, q);
+}
+template <bool kRcp>
+__device__ __forceinline__ float rs_div(float a, float b, float r) {
+  return kRcp ? div_rcp(a, b, r) : a / b;
+}
+// cap * tanhf(x / cap). The clamp only moves quotients beyond 2^20, where tanhf is +-1 whatever they are: an
+// infinite x keeps its sign through the correction step (was NaN), a NaN one stays NaN through the residual.
+template <bool kRcp>
+__device__ __forceinline__ float softcap_rs(float x, float cap, float rcap) {
+  if (!kRcp) return cap * tanhf(x / cap);
+  const float q = fminf(fmaxf(__fmul_rn(x, rcap), -0x1p20f), 0x1p20f);
+  return cap * tanhf(__fmaf_rn(__fmaf_rn(cap, q, -x), -rcap, q));
 }
 
-// Block-wide sums of a and b in double (fixed tree); every thread gets the results.
-__device__ __forceinline__ void block_sum2(double& a, double& b) {
-  __shared__ double pa[32], pb[32];
-  for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o), b += __shfl_xor_sync(0xffffffffu, b, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  __syncthreads();
-  if (lane == 0) pa[warp] = a, pb[warp] = b;
-  __syncthreads();
-  a = lane < nw ? pa[lane] : 0.0;
-  b = lane < nw ? pb[lane] : 0.0;
-  for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o), b += __shfl_xor_sync(0xffffffffu, b, o);
-}
-
-// kVec: V % 4 == 0 (16-byte aligned rows). Token j of thread t in the tile: float4 chunk t + k * kRsThreads.
-template <bool kVec>
-__global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int V, int tiles, float cap,
-                                                              float temperature, RowPartial* part) {
-  pdl_wait();  // launch.cuh: nothing before this touches global memory
-  pdl_trigger();
-  const int tile = blockIdx.x, r = blockIdx.y;
-  float* row = logits + size_t(r) * V;
-  const int base = tile * kRsTile;
-  float z[kRsVec * 4];
-  float bv = -INFINITY;
-  int bi = INT32_MAX;
+// z[4 k + q] = softcapped token base + 4 (threadIdx.x + k kRsThreads) + q of the row, / T; -inf past V. The capped
+// values are written back. kVec: V % 4 == 0 (16-byte aligned rows); kFull: the whole tile is inside the row.
+template <bool kVec, bool kFull, bool kRcp>
+__device__ __forceinline__ void rs_tile_z(float* row, int V, int base, float cap, float rcap, float T, float rT,
+                                          float (&z)[kRsVec * 4]) {
+  if (kVec && kFull) {
+    float4* row4 = reinterpret_cast<float4*>(row + base) + threadIdx.x;
+    float4 x[kRsVec];
+#pragma unroll
+    for (int k = 0; k < kRsVec; ++k) x[k] = row4[k * kRsThreads];
+#pragma unroll
+    for (int k = 0; k < kRsVec; ++k) {
+      float4 c = x[k];
+      c.x = softcap_rs<kRcp>(c.x, cap, rcap), c.y = softcap_rs<kRcp>(c.y, cap, rcap);
+      c.z = softcap_rs<kRcp>(c.z, cap, rcap), c.w = softcap_rs<kRcp>(c.w, cap, rcap);
+      row4[k * kRsThreads] = c;
+      z[4 * k] = rs_div<kRcp>(c.x, T, rT), z[4 * k + 1] = rs_div<kRcp>(c.y, T, rT);  // division, as compute_row_stats
+      z[4 * k + 2] = rs_div<kRcp>(c.z, T, rT), z[4 * k + 3] = rs_div<kRcp>(c.w, T, rT);
+    }
+    return;
+  }
 #pragma unroll
   for (int k = 0; k < kRsVec; ++k) {
     const int i0 = base + 4 * (threadIdx.x + k * kRsThreads);
@@ -482,7 +487,8 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int
     if (kVec) {
       if (i0 < V) {
         float4 x = reinterpret_cast<const float4*>(row)[i0 / 4];
-        x.x = softcap1(x.x, cap), x.y = softcap1(x.y, cap), x.z = softcap1(x.z, cap), x.w = softcap1(x.w, cap);
+        x.x = softcap_rs<kRcp>(x.x, cap, rcap), x.y = softcap_rs<kRcp>(x.y, cap, rcap);
+        x.z = softcap_rs<kRcp>(x.z, cap, rcap), x.w = softcap_rs<kRcp>(x.w, cap, rcap);
         reinterpret_cast<float4*>(row)[i0 / 4] = x;
         c[0] = x.x, c[1] = x.y, c[2] = x.z, c[3] = x.w;
       }
@@ -490,53 +496,74 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int
 #pragma unroll
       for (int q = 0; q < 4; ++q)
         if (i0 + q < V) {
-          c[q] = softcap1(row[i0 + q], cap);
+          c[q] = softcap_rs<kRcp>(row[i0 + q], cap, rcap);
           row[i0 + q] = c[q];
         }
     }
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const bool valid = i0 + q < V;
-      z[4 * k + q] = valid ? c[q] / temperature : -INFINITY;  // division, as compute_row_stats
-      // a thread's tokens come in ascending index: strict > keeps the lowest index of equal maxima
-      if (valid && z[4 * k + q] > bv) bv = z[4 * k + q], bi = i0 + q;
-    }
+    for (int q = 0; q < 4; ++q) z[4 * k + q] = i0 + q < V ? rs_div<kRcp>(c[q], T, rT) : -INFINITY;
   }
-  block_argmax(bv, bi);
-  float sf = 0, wf = 0;
-  if (bv > -INFINITY) {
-#pragma unroll
-    for (int j = 0; j < kRsVec * 4; ++j)
-      if (z[j] > -INFINITY) {
-        const float d = z[j] - bv;  // the f32 difference, as compute_row_stats
-        const float e = expf(d);
-        sf += e;
-        wf = fmaf(e, d, wf);
-      }
-  }
-  double s = sf, w = wf;
-  block_sum2(s, w);
-  if (threadIdx.x == 0) part[size_t(r) * tiles + tile] = RowPartial{s, w, bv, bi};
 }
 
-// One warp per row; stats[r] from the row's tile partials in a fixed order.
-__global__ void rowstats_merge_k(const RowPartial* part, int rows, int tiles, DeviceRowStats* stats) {
+// Partial (tile, warp) of row r at part[(r * tiles + tile) * kRsWarps + warp]. rcap, rT: RN(1 / cap), RN(1 / T).
+template <bool kVec, bool kRcp, bool kFastExp>
+__global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int V, float cap, float rcap,
+                                                              float temperature, float rT, RowPartial* part) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
+  const int tile = blockIdx.x, r = blockIdx.y;
+  float* row = logits + size_t(r) * V;
+  const int base = tile * kRsTile;
+  float z[kRsVec * 4];
+  if (base + kRsTile <= V)
+    rs_tile_z<kVec, true, kRcp>(row, V, base, cap, rcap, temperature, rT, z);
+  else
+    rs_tile_z<kVec, false, kRcp>(row, V, base, cap, rcap, temperature, rT, z);
+  // a thread's tokens come in ascending index: strict > keeps the lowest index of equal maxima; -inf (past V) and
+  // NaN never win
+  float bv = -INFINITY;
+  int bi = INT32_MAX;
+#pragma unroll
+  for (int j = 0; j < kRsVec * 4; ++j)
+    if (z[j] > bv) bv = z[j], bi = base + 4 * (threadIdx.x + (j / 4) * kRsThreads) + j % 4;
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    better(bv, bi, ov, oi);
+  }
+  float sf = 0, wf = 0;
+#pragma unroll
+  for (int j = 0; j < kRsVec * 4; ++j) {
+    // the f32 difference, as compute_row_stats; -inf (past V, or a warp without a finite value) and NaN become a
+    // zero term, as they were left out before
+    const float d = fmaxf(z[j] - bv, -FLT_MAX);
+    const float e = kFastExp ? __expf(d) : expf(d);
+    sf += e;
+    wf = fmaf(e, d, wf);
+  }
+  const double s = warp_sum_d(sf), w = warp_sum_d(wf);
+  if ((threadIdx.x & 31) == 0)
+    part[(size_t(r) * gridDim.x + tile) * kRsWarps + (threadIdx.x >> 5)] = RowPartial{s, w, bv, bi};
+}
+
+// One warp per row; stats[r] from the row's `parts` partials in a fixed order.
+__global__ void rowstats_merge_k(const RowPartial* part, int rows, int parts, DeviceRowStats* stats) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (r >= rows) return;
-  const RowPartial* p = part + size_t(r) * tiles;
+  const RowPartial* p = part + size_t(r) * parts;
   float bv = -INFINITY;
   int bi = INT32_MAX;
-  for (int t = lane; t < tiles; t += 32) better(bv, bi, p[t].m, p[t].idx);
+  for (int t = lane; t < parts; t += 32) better(bv, bi, p[t].m, p[t].idx);
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
     const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
     better(bv, bi, ov, oi);
   }
   double S = 0, W = 0;
-  for (int t = lane; t < tiles; t += 32) {
-    if (!(p[t].m > -INFINITY)) continue;  // a tile without a finite value contributes nothing
+  for (int t = lane; t < parts; t += 32) {
+    if (!(p[t].m > -INFINITY)) continue;  // a part without a finite value contributes nothing
     const double dm = double(p[t].m) - double(bv), f = exp(dm);
     S += p[t].s * f;
     W += f * (p[t].w + dm * p[t].s);
@@ -555,10 +582,10 @@ __global__ void rowstats_merge_k(const RowPartial* part, int rows, int tiles, De
   }
 }
 
-template <bool kVec>
+template <bool kVec, bool kRcp>
 __global__ void __launch_bounds__(kRsThreads) rowstats_probs_k(const float* logits, int rows, int V, int tiles,
-                                                               float temperature, const DeviceRowStats* stats,
-                                                               bf16* probs) {
+                                                               float temperature, float rT,
+                                                               const DeviceRowStats* stats, bf16* probs) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   const int tile = tiles - 1 - int(blockIdx.x), r = rows - 1 - int(blockIdx.y);  // reverse: L2-resident tiles first
@@ -566,23 +593,36 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_probs_k(const float* logi
   bf16* out = probs + size_t(r) * V;
   const float M = stats[r].max_z, inv = stats[r].inv_sum;
   const int base = tile * kRsTile;
+  auto p1 = [&](float x) { return expf(rs_div<kRcp>(x, temperature, rT) - M) * inv; };
+  if (kVec && base + kRsTile <= V) {
+    const float4* row4 = reinterpret_cast<const float4*>(row + base) + threadIdx.x;
+    float4 x[kRsVec];
+#pragma unroll
+    for (int k = 0; k < kRsVec; ++k) x[k] = row4[k * kRsThreads];
+#pragma unroll
+    for (int k = 0; k < kRsVec; ++k)
+      st4(out, base / 4 + threadIdx.x + k * kRsThreads, make_float4(p1(x[k].x), p1(x[k].y), p1(x[k].z), p1(x[k].w)));
+    return;
+  }
 #pragma unroll
   for (int k = 0; k < kRsVec; ++k) {
     const int i0 = base + 4 * (threadIdx.x + k * kRsThreads);
     if (kVec) {
       if (i0 < V) {
         const float4 x = reinterpret_cast<const float4*>(row)[i0 / 4];
-        const float4 pv = make_float4(expf(x.x / temperature - M) * inv, expf(x.y / temperature - M) * inv,
-                                      expf(x.z / temperature - M) * inv, expf(x.w / temperature - M) * inv);
-        st4(out, i0 / 4, pv);
+        st4(out, i0 / 4, make_float4(p1(x.x), p1(x.y), p1(x.z), p1(x.w)));
       }
     } else {
 #pragma unroll
       for (int q = 0; q < 4; ++q)
-        if (i0 + q < V) out[i0 + q] = __float2bfloat16(expf(row[i0 + q] / temperature - M) * inv);
+        if (i0 + q < V) out[i0 + q] = __float2bfloat16(p1(row[i0 + q]));
     }
   }
 }
+
+// Whether div_rcp may stand in for the divisions by cap and T: neither reciprocal nor any quotient of |x| <= cap
+// overflows or goes subnormal for these (the host checks above scaled by a power of two).
+inline bool rs_rcp_ok(float v) { return v >= 0x1p-24f && v <= 0x1p24f; }
 
 __global__ void softmax_rows_bf16_k(const float* logits, int V, float temperature, bf16* probs) {
   const float* row = logits + size_t(blockIdx.x) * V;
@@ -745,7 +785,7 @@ void kv_write(const bf16* k_new, const bf16* v_new, int T, int row, int64_t pos0
   CUDA_CHECK_LAUNCH();
 }
 size_t softcap_row_stats_scratch_bytes(int rows, int V) {
-  return size_t(rows < 0 ? 0 : rows) * size_t((V + kRsTile - 1) / kRsTile) * sizeof(RowPartial);
+  return size_t(rows < 0 ? 0 : rows) * size_t((V + kRsTile - 1) / kRsTile) * kRsWarps * sizeof(RowPartial);
 }
 void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
                        void* scratch, cudaStream_t s, bf16* probs) {
@@ -765,18 +805,19 @@ void softcap_row_stats(float* logits, int rows, int V, float softcap, float temp
   const dim3 grid{unsigned(tiles), unsigned(rows)};
   const bool vec = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
                    (!probs || reinterpret_cast<uintptr_t>(probs) % 8 == 0);
-  if (vec)
-    launch_pdl(rowstats_tile_k<true>, dim3(grid), dim3(kRsThreads), 0, s, logits, V, tiles, softcap, temperature, part);
-  else
-    launch_pdl(rowstats_tile_k<false>, dim3(grid), dim3(kRsThreads), 0, s, logits, V, tiles, softcap, temperature, part);
+  // IEEE divisions (the kernels' slow variant) outside the range where div_rcp was shown to give the same bits
+  const bool rcp = rs_rcp_ok(softcap) && rs_rcp_ok(temperature);
+  const float rcap = 1.0f / softcap, rT = 1.0f / temperature;  // host f32 division: RN(1 / x)
+  auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kRsFastExp> : rowstats_tile_k<true, false, kRsFastExp>)
+                     : (rcp ? rowstats_tile_k<false, true, kRsFastExp> : rowstats_tile_k<false, false, kRsFastExp>);
+  launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, s, logits, V, softcap, rcap, temperature, rT, part);
   CUDA_CHECK_LAUNCH();
-  launch_pdl(rowstats_merge_k, dim3((rows + 7) / 8), dim3(256), 0, s, part, rows, tiles, stats);
+  launch_pdl(rowstats_merge_k, dim3((rows + 7) / 8), dim3(256), 0, s, part, rows, tiles * kRsWarps, stats);
   CUDA_CHECK_LAUNCH();
   if (probs) {
-    if (vec)
-      launch_pdl(rowstats_probs_k<true>, dim3(grid), dim3(kRsThreads), 0, s, logits, rows, V, tiles, temperature, stats, probs);
-    else
-      launch_pdl(rowstats_probs_k<false>, dim3(grid), dim3(kRsThreads), 0, s, logits, rows, V, tiles, temperature, stats, probs);
+    auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true> : rowstats_probs_k<true, false>)
+                        : (rcp ? rowstats_probs_k<false, true> : rowstats_probs_k<false, false>);
+    launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, s, logits, rows, V, tiles, temperature, rT, stats, probs);
     CUDA_CHECK_LAUNCH();
   }
 }
