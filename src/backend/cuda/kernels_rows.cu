@@ -404,8 +404,8 @@ __device__ __forceinline__ void better(float& bv, int& bi, float v, int i) {
 
 // ---- softcap + row statistics (+ SC probs) ----
 // Three launches over [rows, V] (was one 1024-thread block per row with three passes over the row, exp in double:
-// 0.556 ms at 256 x 262144 on the H200, 0.339 with probs for the first tiled version of this;
-// tools/gpu/microbench/rowstats_bench.cu times the two against each other):
+// 0.556 ms at 256 x 262144 on the H200, 0.339 with probs for the first tiled version of this, which
+// tools/gpu/microbench/rowstats_bench.cu keeps as `prev` to time and check this one against):
 //  1. rowstats_tile_k: grid (tiles of kRsTile tokens, rows). Each block reads its tile once into registers (16-byte
 //     loads when V % 4 == 0, a full tile's eight issued before any arithmetic), softcaps it in place, and each warp
 //     takes the max / argmax of z = c / T over its 1024 tokens, then s = sum exp(z - m), w = sum exp(z - m) (z - m)
@@ -414,20 +414,22 @@ __device__ __forceinline__ void better(float& bv, int& bi, float v, int i) {
 //     version (one partial per block, four barriers) was bound by its arithmetic, not its traffic (0.238 ms
 //     stats-only where a copy moves the same 537 MB in 0.133): per token two IEEE divisions of ~10 instructions
 //     each with a slow-path branch (x / cap, c / T), tanhf and an expf. The divisions are now div_rcp (3
-//     instructions, the same bits for the operands that occur) and the exp is __expf (kRsFastExp). H200 timing:
-//     see docs/BENCHMARKS.md.
-//  2. rowstats_merge_k: one warp per row merges the row's warp partials in a fixed order: M = max m, argmax = lowest
-//     index among equal maxima, S = sum s_k e^(m_k - M), W = sum e^(m_k - M) (w_k + (m_k - M) s_k) in double
-//     -> DeviceRowStats (H = log S - W / S, as compute_row_stats).
+//     instructions, the same bits for the operands that occur) and the exp is ex2.approx (kRsFastExp): a full
+//     tile's SASS (nvcc 13.0, sm_90a) is 1159 instructions per thread for its 32 tokens, 96 of them MUFU, where it
+//     was 2405 and 160 (the division slow paths not counted). H200 timing: see docs/BENCHMARKS.md.
+//  2. rowstats_merge_k: one block per row merges the row's warp partials in a fixed order: M = max m, argmax =
+//     lowest index among equal maxima, S = sum s_k e^(m_k - M), W = sum e^(m_k - M) (w_k + (m_k - M) s_k) in
+//     double -> DeviceRowStats (H = log S - W / S, as compute_row_stats).
 //  3. rowstats_probs_k (probs != nullptr): probs = bf16(expf(z - M) * inv_sum), tiles in reverse order so that the
 //     first blocks read the capped logits that pass 1 wrote last (still in L2).
 // No atomics, fixed reduction orders: bitwise deterministic.
 constexpr int kRsThreads = 256, kRsVec = 8;               // float4 loads per thread
 constexpr int kRsTile = kRsThreads * kRsVec * 4;          // 8192 tokens per block
 constexpr int kRsWarps = kRsThreads / 32;                 // partials per tile
-// The terms of s and w as __expf(d) (ex2.approx of d log2(e), 2 instructions; CUDA's bound: 2 + 1.17 |d| ulp) rather
-// than expf (8 instructions, 2 ulp): the sums are dominated by the terms with d near 0, and they were already f32
-// per thread. rowstats_bench compares both against the CPU oracle and the previous kernel; the probs keep expf.
+// The terms of s and w as ex2.approx.ftz(d log2(e)) (2 instructions; __expf's bound, 2 + 1.17 |d| ulp, with results
+// below 2^-126 flushed) rather than expf (8 instructions, 2 ulp): the sums are dominated by the terms with d near 0,
+// and they were already f32 per thread. rowstats_bench checks both against the CPU oracle and the previous kernel;
+// the probs keep expf.
 constexpr bool kRsFastExp = true;
 struct RowPartial {
   double s, w;
@@ -441,7 +443,7 @@ struct RowPartial {
 // host-checked bitwise against a / b for every float a with b = 30 (1 bit apart only for |a| < 2.4e-38, 559240 of
 // 4.28e9) and for every |a| <= 1e4 with 101 values of b spread over [0.3, 1] (8.9e8 of 2.4e11 one bit apart, every
 // one with |a| < 2^-102 ~ 2e-31), plus 4e9 random (a, b) with 2^-102 <= |a| <= 1e4, b in [0.3, 1]: none apart.
-// Infinite a gives NaN (the residual is inf - inf): softcap_rcp clamps.
+// Infinite a gives NaN (the residual is inf - inf): softcap_rs clamps.
 __device__ __forceinline__ float div_rcp(float a, float b, float r) {
   const float q = __fmul_rn(a, r);
   return __fmaf_rn(__fmaf_rn(b, q, -a), -r, q);
@@ -450,13 +452,21 @@ template <bool kRcp>
 __device__ __forceinline__ float rs_div(float a, float b, float r) {
   return kRcp ? div_rcp(a, b, r) : a / b;
 }
-// cap * tanhf(x / cap). The clamp only moves quotients beyond 2^20, where tanhf is +-1 whatever they are: an
-// infinite x keeps its sign through the correction step (was NaN), a NaN one stays NaN through the residual.
+// cap * tanhf(x / cap). The clamp never binds for a finite x (the residual is far smaller than x; with cap >= 1
+// x rcap cannot overflow); for x = +-inf it turns the residual's NaN into a finite value, so the correction step
+// keeps q = +-inf and the result is +-cap as with the division. A NaN x stays NaN through q.
 template <bool kRcp>
 __device__ __forceinline__ float softcap_rs(float x, float cap, float rcap) {
   if (!kRcp) return cap * tanhf(x / cap);
-  const float q = fminf(fmaxf(__fmul_rn(x, rcap), -0x1p20f), 0x1p20f);
-  return cap * tanhf(__fmaf_rn(__fmaf_rn(cap, q, -x), -rcap, q));
+  const float q = __fmul_rn(x, rcap);
+  return cap * tanhf(__fmaf_rn(fmaxf(__fmaf_rn(cap, q, -x), -FLT_MAX), -rcap, q));
+}
+// 2^x rounded to zero below 2^-126 (ex2.approx.ftz; __expf's ex2.approx without .ftz adds a compare and two
+// multiplies to keep subnormal results, which are nothing next to the sums' largest term, 1).
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // z[4 k + q] = softcapped token base + 4 (threadIdx.x + k kRsThreads) + q of the row, / T; -inf past V. The capped
@@ -464,7 +474,7 @@ __device__ __forceinline__ float softcap_rs(float x, float cap, float rcap) {
 template <bool kVec, bool kFull, bool kRcp>
 __device__ __forceinline__ void rs_tile_z(float* row, int V, int base, float cap, float rcap, float T, float rT,
                                           float (&z)[kRsVec * 4]) {
-  if (kVec && kFull) {
+  if constexpr (kVec && kFull) {
     float4* row4 = reinterpret_cast<float4*>(row + base) + threadIdx.x;
     float4 x[kRsVec];
 #pragma unroll
@@ -478,30 +488,30 @@ __device__ __forceinline__ void rs_tile_z(float* row, int V, int base, float cap
       z[4 * k] = rs_div<kRcp>(c.x, T, rT), z[4 * k + 1] = rs_div<kRcp>(c.y, T, rT);  // division, as compute_row_stats
       z[4 * k + 2] = rs_div<kRcp>(c.z, T, rT), z[4 * k + 3] = rs_div<kRcp>(c.w, T, rT);
     }
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int k = 0; k < kRsVec; ++k) {
-    const int i0 = base + 4 * (threadIdx.x + k * kRsThreads);
-    float c[4];
-    if (kVec) {
-      if (i0 < V) {
-        float4 x = reinterpret_cast<const float4*>(row)[i0 / 4];
-        x.x = softcap_rs<kRcp>(x.x, cap, rcap), x.y = softcap_rs<kRcp>(x.y, cap, rcap);
-        x.z = softcap_rs<kRcp>(x.z, cap, rcap), x.w = softcap_rs<kRcp>(x.w, cap, rcap);
-        reinterpret_cast<float4*>(row)[i0 / 4] = x;
-        c[0] = x.x, c[1] = x.y, c[2] = x.z, c[3] = x.w;
-      }
-    } else {
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        if (i0 + q < V) {
-          c[q] = softcap_rs<kRcp>(row[i0 + q], cap, rcap);
-          row[i0 + q] = c[q];
+    for (int k = 0; k < kRsVec; ++k) {
+      const int i0 = base + 4 * (threadIdx.x + k * kRsThreads);
+      float c[4];
+      if (kVec) {
+        if (i0 < V) {
+          float4 x = reinterpret_cast<const float4*>(row)[i0 / 4];
+          x.x = softcap_rs<kRcp>(x.x, cap, rcap), x.y = softcap_rs<kRcp>(x.y, cap, rcap);
+          x.z = softcap_rs<kRcp>(x.z, cap, rcap), x.w = softcap_rs<kRcp>(x.w, cap, rcap);
+          reinterpret_cast<float4*>(row)[i0 / 4] = x;
+          c[0] = x.x, c[1] = x.y, c[2] = x.z, c[3] = x.w;
         }
-    }
+      } else {
 #pragma unroll
-    for (int q = 0; q < 4; ++q) z[4 * k + q] = i0 + q < V ? rs_div<kRcp>(c[q], T, rT) : -INFINITY;
+        for (int q = 0; q < 4; ++q)
+          if (i0 + q < V) {
+            c[q] = softcap_rs<kRcp>(row[i0 + q], cap, rcap);
+            row[i0 + q] = c[q];
+          }
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) z[4 * k + q] = i0 + q < V ? rs_div<kRcp>(c[q], T, rT) : -INFINITY;
+    }
   }
 }
 
@@ -537,7 +547,7 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int
     // the f32 difference, as compute_row_stats; -inf (past V, or a warp without a finite value) and NaN become a
     // zero term, as they were left out before
     const float d = fmaxf(z[j] - bv, -FLT_MAX);
-    const float e = kFastExp ? __expf(d) : expf(d);
+    const float e = kFastExp ? ex2_ftz(d * 1.44269502f) : expf(d);  // RN(log2 e)
     sf += e;
     wf = fmaf(e, d, wf);
   }
@@ -546,31 +556,62 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int
     part[(size_t(r) * gridDim.x + tile) * kRsWarps + (threadIdx.x >> 5)] = RowPartial{s, w, bv, bi};
 }
 
-// One warp per row; stats[r] from the row's `parts` partials in a fixed order.
-__global__ void rowstats_merge_k(const RowPartial* part, int rows, int parts, DeviceRowStats* stats) {
-  pdl_wait();  // launch.cuh: nothing before this touches global memory
-  pdl_trigger();
-  const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (r >= rows) return;
-  const RowPartial* p = part + size_t(r) * parts;
-  float bv = -INFINITY;
-  int bi = INT32_MAX;
-  for (int t = lane; t < parts; t += 32) better(bv, bi, p[t].m, p[t].idx);
+// Block-wide (max, lowest index) of (bv, bi); every thread gets the result.
+__device__ __forceinline__ void block_argmax(float& bv, int& bi) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
     const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
     better(bv, bi, ov, oi);
   }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) sv[warp] = bv, si[warp] = bi;
+  __syncthreads();
+  bv = lane < nw ? sv[lane] : -INFINITY;
+  bi = lane < nw ? si[lane] : INT32_MAX;
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    better(bv, bi, ov, oi);
+  }
+}
+
+// Block-wide sums of a and b in double (fixed tree); every thread gets the results.
+__device__ __forceinline__ void block_sum2(double& a, double& b) {
+  __shared__ double pa[32], pb[32];
+  for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o), b += __shfl_xor_sync(0xffffffffu, b, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) pa[warp] = a, pb[warp] = b;
+  __syncthreads();
+  a = lane < nw ? pa[lane] : 0.0;
+  b = lane < nw ? pb[lane] : 0.0;
+  for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o), b += __shfl_xor_sync(0xffffffffu, b, o);
+}
+
+// One block per row (the 256 partials of a 262144-token row: one per thread, where a warp per row took 8 rounds of a
+// load and a double exp); stats[r] from the row's `parts` partials in a fixed order.
+__global__ void __launch_bounds__(kRsThreads) rowstats_merge_k(const RowPartial* part, int parts,
+                                                               DeviceRowStats* stats) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
+  const int r = blockIdx.x;
+  const RowPartial* p = part + size_t(r) * parts;
+  float bv = -INFINITY;
+  int bi = INT32_MAX;
+  for (int t = threadIdx.x; t < parts; t += kRsThreads) better(bv, bi, p[t].m, p[t].idx);
+  block_argmax(bv, bi);
   double S = 0, W = 0;
-  for (int t = lane; t < parts; t += 32) {
+  for (int t = threadIdx.x; t < parts; t += kRsThreads) {
     if (!(p[t].m > -INFINITY)) continue;  // a part without a finite value contributes nothing
     const double dm = double(p[t].m) - double(bv), f = exp(dm);
     S += p[t].s * f;
     W += f * (p[t].w + dm * p[t].s);
   }
-  S = warp_sum_d(S);
-  W = warp_sum_d(W);
-  if (lane == 0) {
+  block_sum2(S, W);
+  if (threadIdx.x == 0) {
     DeviceRowStats o;
     o.argmax = bi == INT32_MAX ? 0 : bi;
     o.max_z = bv;
@@ -594,7 +635,7 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_probs_k(const float* logi
   const float M = stats[r].max_z, inv = stats[r].inv_sum;
   const int base = tile * kRsTile;
   auto p1 = [&](float x) { return expf(rs_div<kRcp>(x, temperature, rT) - M) * inv; };
-  if (kVec && base + kRsTile <= V) {
+  if (kVec && base + kRsTile <= V) {  // all eight loads in flight before the arithmetic
     const float4* row4 = reinterpret_cast<const float4*>(row + base) + threadIdx.x;
     float4 x[kRsVec];
 #pragma unroll
@@ -620,9 +661,10 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_probs_k(const float* logi
   }
 }
 
-// Whether div_rcp may stand in for the divisions by cap and T: neither reciprocal nor any quotient of |x| <= cap
-// overflows or goes subnormal for these (the host checks above scaled by a power of two).
-inline bool rs_rcp_ok(float v) { return v >= 0x1p-24f && v <= 0x1p24f; }
+// Whether div_rcp may stand in for the divisions by cap and T: no reciprocal, quotient or residual overflows, and
+// only |c| < 2^-102 can underflow (the host checks above also ran with T from 6e-8 to 1.6e7, every |c| <= 30:
+// nothing apart above 2^-102). cap >= 1 keeps x / cap from overflowing for a finite x (softcap_rs).
+inline bool rs_rcp_ok(float cap, float T) { return cap >= 1.0f && cap <= 0x1p24f && T >= 0x1p-24f && T <= 0x1p24f; }
 
 __global__ void softmax_rows_bf16_k(const float* logits, int V, float temperature, bf16* probs) {
   const float* row = logits + size_t(blockIdx.x) * V;
@@ -806,13 +848,13 @@ void softcap_row_stats(float* logits, int rows, int V, float softcap, float temp
   const bool vec = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
                    (!probs || reinterpret_cast<uintptr_t>(probs) % 8 == 0);
   // IEEE divisions (the kernels' slow variant) outside the range where div_rcp was shown to give the same bits
-  const bool rcp = rs_rcp_ok(softcap) && rs_rcp_ok(temperature);
+  const bool rcp = rs_rcp_ok(softcap, temperature);
   const float rcap = 1.0f / softcap, rT = 1.0f / temperature;  // host f32 division: RN(1 / x)
   auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kRsFastExp> : rowstats_tile_k<true, false, kRsFastExp>)
                      : (rcp ? rowstats_tile_k<false, true, kRsFastExp> : rowstats_tile_k<false, false, kRsFastExp>);
   launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, s, logits, V, softcap, rcap, temperature, rT, part);
   CUDA_CHECK_LAUNCH();
-  launch_pdl(rowstats_merge_k, dim3((rows + 7) / 8), dim3(256), 0, s, part, rows, tiles * kRsWarps, stats);
+  launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, s, part, tiles * kRsWarps, stats);
   CUDA_CHECK_LAUNCH();
   if (probs) {
     auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true> : rowstats_probs_k<true, false>)
