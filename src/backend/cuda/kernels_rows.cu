@@ -414,9 +414,10 @@ __device__ __forceinline__ void better(float& bv, int& bi, float v, int i) {
 //     version (one partial per block, four barriers) was bound by its arithmetic, not its traffic (0.238 ms
 //     stats-only where a copy moves the same 537 MB in 0.133): per token two IEEE divisions of ~10 instructions
 //     each with a slow-path branch (x / cap, c / T), tanhf and an expf. The divisions are now div_rcp (3
-//     instructions, the same bits for the operands that occur) and the exp is ex2.approx (kRsFastExp): a full
-//     tile's SASS (nvcc 13.0, sm_90a) is 1159 instructions per thread for its 32 tokens, 96 of them MUFU, where it
-//     was 2405 and 160 (the division slow paths not counted). H200 timing: see docs/BENCHMARKS.md.
+//     instructions, the same bits for the operands that occur; the exp could be ex2.approx, kRsFastExp): a full
+//     tile's SASS (nvcc 13.0, sm_90a, with kRsFastExp) is 1159 instructions per thread for its 32 tokens, 96 of them
+//     MUFU, where it was 2405 and 160 (the division slow paths not counted). H200 (rowstats_bench, session 9):
+//     stats + probs 0.338 -> 0.237 ms, stats only 0.240 -> 0.144, now ~4 TB/s (a copy: 4.02).
 //  2. rowstats_merge_k: one block per row merges the row's warp partials in a fixed order: M = max m, argmax =
 //     lowest index among equal maxima, S = sum s_k e^(m_k - M), W = sum e^(m_k - M) (w_k + (m_k - M) s_k) in
 //     double -> DeviceRowStats (H = log S - W / S, as compute_row_stats).
@@ -426,11 +427,11 @@ __device__ __forceinline__ void better(float& bv, int& bi, float v, int i) {
 constexpr int kRsThreads = 256, kRsVec = 8;               // float4 loads per thread
 constexpr int kRsTile = kRsThreads * kRsVec * 4;          // 8192 tokens per block
 constexpr int kRsWarps = kRsThreads / 32;                 // partials per tile
-// The terms of s and w as ex2.approx.ftz(d log2(e)) (2 instructions; __expf's bound, 2 + 1.17 |d| ulp, with results
-// below 2^-126 flushed) rather than expf (8 instructions, 2 ulp): the sums are dominated by the terms with d near 0,
-// and they were already f32 per thread. rowstats_bench checks both against the CPU oracle and the previous kernel;
-// the probs keep expf.
-constexpr bool kRsFastExp = true;
+// true: the terms of s and w as ex2.approx.ftz(d log2(e)) (2 instructions; __expf's bound, 2 + 1.17 |d| ulp, with
+// results below 2^-126 flushed) rather than expf (8 instructions, 2 ulp). Off: with the divisions gone the pass moves
+// its bytes at ~4 TB/s either way (H200, rowstats_bench: stats + probs 0.2370 ms with it, 0.2368 without; stats only
+// 0.1439 / 0.1443), and expf keeps the entropy bitwise the previous kernel's.
+constexpr bool kRsFastExp = false;
 struct RowPartial {
   double s, w;
   float m;
