@@ -997,13 +997,14 @@ struct RowStatsRun {
   std::vector<DeviceRowStats> stats;
   std::vector<bf16> probs;
 };
-RowStatsRun run_row_stats(const std::vector<float>& logits, int rows, int V, float cap, float T) {
+RowStatsRun run_row_stats(const std::vector<float>& logits, int rows, int V, float cap, float T,
+                          bool write_capped = true) {
   Dev<float> dl(logits.size());
   Dev<DeviceRowStats> st{size_t(rows)};
   Dev<bf16> probs(logits.size());
   Dev<char> scratch(softcap_row_stats_scratch_bytes(rows, V));
   dl.put(logits);
-  softcap_row_stats(dl.p, rows, V, cap, T, st.p, scratch.p, nullptr, probs.p);
+  softcap_row_stats(dl.p, rows, V, cap, T, st.p, scratch.p, nullptr, probs.p, write_capped);
   return {dl.get(), st.get(), probs.get()};
 }
 
@@ -1063,6 +1064,11 @@ TEST(CudaKernels, SoftcapRowStats) {
     EXPECT_EQ(std::memcmp(again.capped.data(), run.capped.data(), run.capped.size() * 4), 0);
     EXPECT_EQ(std::memcmp(again.stats.data(), run.stats.data(), run.stats.size() * sizeof(DeviceRowStats)), 0);
     EXPECT_EQ(std::memcmp(again.probs.data(), run.probs.data(), run.probs.size() * 2), 0) << "V " << V;
+    // write_capped false: the logits left as they were, the stats and probs the same bits
+    auto raw = run_row_stats(logits, rows, V, 30.0f, T, false);
+    EXPECT_EQ(std::memcmp(raw.capped.data(), logits.data(), logits.size() * 4), 0) << "V " << V;
+    EXPECT_EQ(std::memcmp(raw.stats.data(), run.stats.data(), run.stats.size() * sizeof(DeviceRowStats)), 0);
+    EXPECT_EQ(std::memcmp(raw.probs.data(), run.probs.data(), run.probs.size() * 2), 0) << "V " << V;
   }
   // bad input is refused by value
   Dev<float> dl(8);

@@ -511,9 +511,12 @@ class CudaBackend final : public Backend {
     cuda::rms_norm_f32_to_bf16(s_.h, L, H, weights_->final_norm_, eps, s_.x, stream_);
     gemm_->linear(s_.x, Dt::BF16, L, weights_->embed_, Dt::BF16, V, H, s_.logits, Dt::F32, stream_);
     mark(kStLmHead);
-    // The probs for a PreviousStep SC input of the next step come out of the same pass (softmax at this T).
+    // The probs for a PreviousStep SC input of the next step come out of the same pass (softmax at this T). The
+    // capped logits are written back only for their readers (the host's categorical sampler, the sparse SC's
+    // survivors): a 268 MB write at the full shape, ~50 us.
+    const bool capped_read = req.want_logits || opt_.sc_sparse;
     cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats,
-                            s_.row_stats_scratch, stream_, s_.probs);
+                            s_.row_stats_scratch, stream_, s_.probs, capped_read);
     // Survivors of the next step's sparse SC, with the counts / dropped mass that decide whether it may use them.
     if (opt_.sc_sparse) cuda::sc_survivors(s_.logits, L, V, req.temperature, s_.stats, s_.sc, stream_);
     CUDA_CHECK(cudaMemcpyAsync(host_stats_, s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats),

@@ -66,8 +66,10 @@ struct DeviceRowStats {
   int32_t tile_overflow;
 };
 size_t softcap_row_stats_scratch_bytes(int rows, int V);
+// write_capped false: the logits are left as they were (the stats and probs are the same bits), which saves the
+// pass a write of the whole [rows, V] f32 block when nothing reads the capped logits afterwards.
 void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
-                       void* scratch, cudaStream_t s, bf16* probs = nullptr);
+                       void* scratch, cudaStream_t s, bf16* probs = nullptr, bool write_capped = true);
 // probs[r, :] = softmax(logits[r, :] / temperature) as bf16 (temperature 1 for already-tempered input).
 void softmax_rows_bf16(const float* logits, int rows, int V, float temperature, bf16* probs, cudaStream_t s);
 // out = in * scale (f32, in place allowed)

@@ -474,7 +474,7 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 // values are written back. kVec: V % 4 == 0 (16-byte aligned rows); kFull: the whole tile is inside the row.
 template <bool kVec, bool kFull, bool kRcp>
 __device__ __forceinline__ void rs_tile_z(float* row, int V, int base, float cap, float rcap, float T, float rT,
-                                          float (&z)[kRsVec * 4]) {
+                                          float (&z)[kRsVec * 4], bool write) {
   if constexpr (kVec && kFull) {
     float4* row4 = reinterpret_cast<float4*>(row + base) + threadIdx.x;
     float4 x[kRsVec];
@@ -485,7 +485,7 @@ __device__ __forceinline__ void rs_tile_z(float* row, int V, int base, float cap
       float4 c = x[k];
       c.x = softcap_rs<kRcp>(c.x, cap, rcap), c.y = softcap_rs<kRcp>(c.y, cap, rcap);
       c.z = softcap_rs<kRcp>(c.z, cap, rcap), c.w = softcap_rs<kRcp>(c.w, cap, rcap);
-      row4[k * kRsThreads] = c;
+      if (write) row4[k * kRsThreads] = c;
       z[4 * k] = rs_div<kRcp>(c.x, T, rT), z[4 * k + 1] = rs_div<kRcp>(c.y, T, rT);  // division, as compute_row_stats
       z[4 * k + 2] = rs_div<kRcp>(c.z, T, rT), z[4 * k + 3] = rs_div<kRcp>(c.w, T, rT);
     }
@@ -499,7 +499,7 @@ __device__ __forceinline__ void rs_tile_z(float* row, int V, int base, float cap
           float4 x = reinterpret_cast<const float4*>(row)[i0 / 4];
           x.x = softcap_rs<kRcp>(x.x, cap, rcap), x.y = softcap_rs<kRcp>(x.y, cap, rcap);
           x.z = softcap_rs<kRcp>(x.z, cap, rcap), x.w = softcap_rs<kRcp>(x.w, cap, rcap);
-          reinterpret_cast<float4*>(row)[i0 / 4] = x;
+          if (write) reinterpret_cast<float4*>(row)[i0 / 4] = x;
           c[0] = x.x, c[1] = x.y, c[2] = x.z, c[3] = x.w;
         }
       } else {
@@ -507,7 +507,7 @@ __device__ __forceinline__ void rs_tile_z(float* row, int V, int base, float cap
         for (int q = 0; q < 4; ++q)
           if (i0 + q < V) {
             c[q] = softcap_rs<kRcp>(row[i0 + q], cap, rcap);
-            row[i0 + q] = c[q];
+            if (write) row[i0 + q] = c[q];
           }
       }
 #pragma unroll
@@ -519,7 +519,8 @@ __device__ __forceinline__ void rs_tile_z(float* row, int V, int base, float cap
 // Partial (tile, warp) of row r at part[(r * tiles + tile) * kRsWarps + warp]. rcap, rT: RN(1 / cap), RN(1 / T).
 template <bool kVec, bool kRcp, bool kFastExp>
 __global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int V, float cap, float rcap,
-                                                              float temperature, float rT, RowPartial* part) {
+                                                              float temperature, float rT, RowPartial* part,
+                                                              bool write_capped) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   const int tile = blockIdx.x, r = blockIdx.y;
@@ -527,9 +528,9 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int
   const int base = tile * kRsTile;
   float z[kRsVec * 4];
   if (base + kRsTile <= V)
-    rs_tile_z<kVec, true, kRcp>(row, V, base, cap, rcap, temperature, rT, z);
+    rs_tile_z<kVec, true, kRcp>(row, V, base, cap, rcap, temperature, rT, z, write_capped);
   else
-    rs_tile_z<kVec, false, kRcp>(row, V, base, cap, rcap, temperature, rT, z);
+    rs_tile_z<kVec, false, kRcp>(row, V, base, cap, rcap, temperature, rT, z, write_capped);
   // a thread's tokens come in ascending index: strict > keeps the lowest index of equal maxima; -inf (past V) and
   // NaN never win
   float bv = -INFINITY;
@@ -627,7 +628,8 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_merge_k(const RowPartial*
 template <bool kVec, bool kRcp>
 __global__ void __launch_bounds__(kRsThreads) rowstats_probs_k(const float* logits, int rows, int V, int tiles,
                                                                float temperature, float rT,
-                                                               const DeviceRowStats* stats, bf16* probs) {
+                                                               const DeviceRowStats* stats, bf16* probs,
+                                                               bool raw, float cap, float rcap) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   const int tile = tiles - 1 - int(blockIdx.x), r = rows - 1 - int(blockIdx.y);  // reverse: L2-resident tiles first
@@ -635,7 +637,11 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_probs_k(const float* logi
   bf16* out = probs + size_t(r) * V;
   const float M = stats[r].max_z, inv = stats[r].inv_sum;
   const int base = tile * kRsTile;
-  auto p1 = [&](float x) { return expf(rs_div<kRcp>(x, temperature, rT) - M) * inv; };
+  // raw: the logits were left uncapped (write_capped false): the same softcap_rs as the stats pass, so the same bits
+  auto p1 = [&](float x) {
+    if (raw) x = softcap_rs<kRcp>(x, cap, rcap);
+    return expf(rs_div<kRcp>(x, temperature, rT) - M) * inv;
+  };
   if (kVec && base + kRsTile <= V) {  // all eight loads in flight before the arithmetic
     const float4* row4 = reinterpret_cast<const float4*>(row + base) + threadIdx.x;
     float4 x[kRsVec];
@@ -831,7 +837,7 @@ size_t softcap_row_stats_scratch_bytes(int rows, int V) {
   return size_t(rows < 0 ? 0 : rows) * size_t((V + kRsTile - 1) / kRsTile) * kRsWarps * sizeof(RowPartial);
 }
 void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
-                       void* scratch, cudaStream_t s, bf16* probs) {
+                       void* scratch, cudaStream_t s, bf16* probs, bool write_capped) {
   char msg[160];
   if (rows < 0 || rows > 65535 || V < 1) {
     std::snprintf(msg, sizeof msg, "rows %d must be in [0, 65535] and V %d >= 1", rows, V);
@@ -853,14 +859,16 @@ void softcap_row_stats(float* logits, int rows, int V, float softcap, float temp
   const float rcap = 1.0f / softcap, rT = 1.0f / temperature;  // host f32 division: RN(1 / x)
   auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kRsFastExp> : rowstats_tile_k<true, false, kRsFastExp>)
                      : (rcp ? rowstats_tile_k<false, true, kRsFastExp> : rowstats_tile_k<false, false, kRsFastExp>);
-  launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, s, logits, V, softcap, rcap, temperature, rT, part);
+  launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, s, logits, V, softcap, rcap, temperature, rT, part,
+             write_capped);
   CUDA_CHECK_LAUNCH();
   launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, s, part, tiles * kRsWarps, stats);
   CUDA_CHECK_LAUNCH();
   if (probs) {
     auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true> : rowstats_probs_k<true, false>)
                         : (rcp ? rowstats_probs_k<false, true> : rowstats_probs_k<false, false>);
-    launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, s, logits, rows, V, tiles, temperature, rT, stats, probs);
+    launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, s, logits, rows, V, tiles, temperature, rT, stats, probs,
+               !write_capped, softcap, rcap);
     CUDA_CHECK_LAUNCH();
   }
 }

@@ -413,18 +413,19 @@ void new_variant(float* logits, int rows, int V, float cap, float T, DeviceRowSt
   const float rcap = 1.0f / cap, rT = 1.0f / T;
   auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kFastExp> : rowstats_tile_k<true, false, kFastExp>)
                      : (rcp ? rowstats_tile_k<false, true, kFastExp> : rowstats_tile_k<false, false, kFastExp>);
-  launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, nullptr, logits, V, cap, rcap, T, rT, part);
+  launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, nullptr, logits, V, cap, rcap, T, rT, part, true);
   launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, nullptr, part, tiles * kRsWarps, stats);
   if (probs) {
     auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true> : rowstats_probs_k<true, false>)
                         : (rcp ? rowstats_probs_k<false, true> : rowstats_probs_k<false, false>);
-    launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, nullptr, logits, rows, V, tiles, T, rT, stats, probs);
+    launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, nullptr, logits, rows, V, tiles, T, rT, stats, probs, false,
+               cap, rcap);
   }
   CUDA_CHECK(cudaGetLastError());
 }
 
-enum Impl { kPrev, kNew, kNewAlt };
-const char* impl_name[] = {"prev", "new", "new-alt"};
+enum Impl { kPrev, kNew, kNewAlt, kNewNoWrite };  // kNewNoWrite: new with write_capped false (timed only)
+const char* impl_name[] = {"prev", "new", "new-alt", "new-nowrite"};
 
 // Device buffers for up to n = rows * V tokens; src holds the pristine logits.
 struct Bufs {
@@ -450,6 +451,7 @@ struct Bufs {
     if (im == kPrev) prev::softcap_row_stats(work, R, V, cap, T, st, scratch, nullptr, p);
     if (im == kNew) softcap_row_stats(work, R, V, cap, T, st, scratch, nullptr, p);
     if (im == kNewAlt) new_variant<!kRsFastExp>(work, R, V, cap, T, st, scratch, p);
+    if (im == kNewNoWrite) softcap_row_stats(work, R, V, cap, T, st, scratch, nullptr, p, false);
   }
 };
 struct Out {
@@ -543,6 +545,18 @@ void check_case(const char* name, const Bufs& b, int R, int V, float cap, float 
                    std::memcmp(again.probs.data(), o[kNew].probs.data(), b.n * 2) == 0;
   std::printf("  new twice: %s\n", rep ? "bitwise the same" : "DIFFERENT");
   CHECK_TRUE(rep, "%s: new not bitwise repeatable", name);
+  // write_capped false (the engine's denoise step when nothing reads the capped logits): the logits untouched, the
+  // stats and probs the same bits as new's
+  b.reset();
+  b.run(kNewNoWrite, R, V, cap, T, true);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const Out nw{get(b.work, b.n), get(b.st, size_t(R)), get(b.probs, b.n)};
+  const bool untouched = std::memcmp(nw.capped.data(), input.data(), b.n * 4) == 0;
+  const bool same_out = std::memcmp(nw.st.data(), o[kNew].st.data(), size_t(R) * sizeof(DeviceRowStats)) == 0 &&
+                        std::memcmp(nw.probs.data(), o[kNew].probs.data(), b.n * 2) == 0;
+  std::printf("  new-nowrite: logits %s, stats and probs %s\n", untouched ? "untouched" : "WRITTEN",
+              same_out ? "bitwise new's" : "DIFFERENT from new's");
+  CHECK_TRUE(untouched && same_out, "%s: write_capped false", name);
 }
 
 void upload(const Bufs& b, const std::vector<float>& h) {
@@ -665,16 +679,17 @@ int main() {
     }
     return median(t);
   };
-  float tp[3], ts[3];
-  for (int im = 0; im < 3; ++im) tp[im] = timed(Impl(im), true), ts[im] = timed(Impl(im), false);
+  float tp[4], ts[4];
+  for (int im = 0; im < 4; ++im) tp[im] = timed(Impl(im), true), ts[im] = timed(Impl(im), false);
   std::vector<float> tc;
   for (int i = 0; i < 5; ++i) tc.push_back(tm.ms([&] { b.reset(); }));
   const float t_copy = median(tc);
   std::printf("\nsoftcap_row_stats 256 x 262144, cap 30, T 0.8 (ms, median of %d):\n", reps);
-  std::printf("  %-28s %10s %10s %10s\n", "", "prev", "new", "new-alt");
-  std::printf("  %-28s %10.4f %10.4f %10.4f   (new: %.2fx prev)\n", "stats + probs (denoise)", tp[0], tp[1], tp[2],
-              tp[0] / tp[1]);
-  std::printf("  %-28s %10.4f %10.4f %10.4f   (new: %.2fx prev)\n", "stats only", ts[0], ts[1], ts[2], ts[0] / ts[1]);
+  std::printf("  %-28s %10s %10s %10s %12s\n", "", "prev", "new", "new-alt", "new-nowrite");
+  std::printf("  %-28s %10.4f %10.4f %10.4f %12.4f   (new: %.2fx prev)\n", "stats + probs (denoise)", tp[0], tp[1],
+              tp[2], tp[3], tp[0] / tp[1]);
+  std::printf("  %-28s %10.4f %10.4f %10.4f %12.4f   (new: %.2fx prev)\n", "stats only", ts[0], ts[1], ts[2], ts[3],
+              ts[0] / ts[1]);
   std::printf("  new = kRsFastExp %s (%s exp in the sums), new-alt = the other\n", kRsFastExp ? "true" : "false",
               kRsFastExp ? "ex2.approx" : "expf");
   std::printf("  a 268 MB D2D copy %.4f ms (%.2f TB/s); new with probs moves 939 MB: %.2f TB/s\n", t_copy,
