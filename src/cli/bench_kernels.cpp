@@ -160,6 +160,23 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
     pre.causal = true;
     add("attention commit" + tag, "causal, " + std::to_string(T) + " queries", 2.0 * keys * nkv * D * 2,
         2.0 * T * nh * keys * D, [=](cudaStream_t st) { cuda::attention(pre, st); });
+    // The denoise attention as cuBLASLt GEMMs around a softmax (CudaOptions::gemm_attention: the engine's path for
+    // the full layers; the sliding layers keep the fused kernel), over n_keys contiguous key rows.
+    const int n_keys = int(n_old + T), n_cols = cuda::gemm_attention_key_columns(n_keys);
+    bf16* kg = ar.bf16s(size_t(n_cols) * nkv * D, 1.0f);
+    bf16* vg = ar.bf16s(size_t(n_cols) * nkv * D, 1.0f);
+    float* S = ar.take<float>(size_t(nh) * T * n_cols);
+    bf16* P = ar.take<bf16>(size_t(nh) * T * n_cols);
+    void** ptrs = ar.take<void*>(cuda::gemm_attention_pointer_count(nh));
+    const cuda::GemmAttentionArgs ga{q, nh, nkv, D, kg, vg, S, P, T, n_cols, att, ptrs};
+    cuda::set_gemm_attention_pointers(ga, s);
+    add(std::string("attention GEMMs") + tag + (sliding ? ", not the engine's" : ", the engine's"),
+        "S = QK^T, softmax, PV over " + std::to_string(n_keys) + " keys",
+        2.0 * keys * nkv * D * 2 + 12.0 * nh * T * n_cols, 4.0 * T * nh * keys * D,
+        [=, &gemm](cudaStream_t st) { cuda::gemm_attention(gemm, ga, T, n_keys, st); });
+    add("softmax_rows_to_bf16" + tag, std::to_string(nh * T) + " rows x " + std::to_string(n_keys),
+        6.0 * nh * T * n_cols, 0,
+        [=](cudaStream_t st) { cuda::softmax_rows_to_bf16(S, n_cols, T, nh, T, n_keys, n_cols, P, st); });
     add("kv_write" + tag, std::to_string(T) + " rows of " + std::to_string(nkv * D), 8.0 * T * nkv * D, 0,
         [=](cudaStream_t st) { cuda::kv_write(kn, vn, T, nkv * D, kv, kc, vc, cap, st); });
     bf16* wo = ar.bf16s(size_t(H) * nh * D, 0.02f);
