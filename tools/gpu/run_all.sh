@@ -76,11 +76,11 @@ if [ "${GROUPED:-0}" = 1 ]; then
   LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma" bench --grouped-experts --json ${BENCH_ARGS:-} \
     >"$OUT/bench_grouped.json" 2>"$OUT/bench_grouped.log"
 fi
-# TUNE=1 (TUNE_CONTEXTS, default 512: the denoise contexts whose shapes are tuned): time every cuBLASLt candidate of each GEMM shape first (bench --tune-gemm, graphs off); the summary lists
+# TUNE=1 (TUNE_CONTEXTS, default 512: the denoise contexts whose shapes are tuned; TUNE_ARGS: more bench flags): time every cuBLASLt candidate of each GEMM shape first (bench --tune-gemm, graphs off); the summary lists
 # the fastest configurations as lines for src/backend/cuda/gemm_tuned.inc.
 t_rc=skipped
 if [ "${TUNE:-0}" = 1 ]; then
-  LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma" bench --tune-gemm --contexts ${TUNE_CONTEXTS:-512} --prefill 4096 \
+  LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma" bench --tune-gemm --contexts ${TUNE_CONTEXTS:-512} --prefill 4096 ${TUNE_ARGS:-} \
     --fixed-steps 0 --reps 2 --json >"$OUT/gemm_tune.json" 2>"$OUT/gemm_tune.log"
   t_rc=$?
 fi
