@@ -343,8 +343,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMemset(s_.expert_tile_counters, 0, (2 + size_t(cfg_.num_experts)) * sizeof(unsigned)));
     for (DevLayer& L : layers_) {
       if (!L.attn_ptrs) continue;
-      const size_t bytes = (size_t(L.cap) + cuda::kGemmAttentionKeyAlign) * size_t(L.shape.n_kv_heads) *
-                           size_t(L.shape.head_dim) * sizeof(bf16);
+      const size_t bytes = kv_rows(L) * size_t(L.shape.n_kv_heads) * size_t(L.shape.head_dim) * sizeof(bf16);
       CUDA_CHECK(cudaMemset(L.kc, 0, bytes));
       CUDA_CHECK(cudaMemset(L.vc, 0, bytes));
       cuda::set_gemm_attention_pointers(gemm_attention_args(L), stream_);
@@ -682,6 +681,15 @@ class CudaBackend final : public Backend {
     g.linear(s_.actd, Dt::BF16, T, down, Dt::BF16, cfg_.hidden_size, I, y, Dt::BF16, st);
   }
 
+  // Full layers run their denoise attention on the GEMM path (CudaOptions::gemm_attention).
+  bool uses_gemm_attention(const DevLayer& L) const {
+    return gemm_attention_ && L.shape.kind != LayerKind::Sliding;
+  }
+  // Rows of a layer's K (and V) region: its cap, and for the GEMM attention the rows its key columns round up into
+  // (zeroed at allocation: their P is 0, and 0 times a finite value is 0).
+  size_t kv_rows(const DevLayer& L) const {
+    return size_t(L.cap) + (uses_gemm_attention(L) ? size_t(cuda::kGemmAttentionKeyAlign) : 0);
+  }
   // The GEMM attention's buffers for full layer L (its batch pointers depend only on these).
   cuda::GemmAttentionArgs gemm_attention_args(const DevLayer& L) const {
     cuda::GemmAttentionArgs g{};
@@ -708,27 +716,30 @@ class CudaBackend final : public Backend {
     // A denoise pass of a full layer on the GEMM attention: the canvas keys / values go straight into the cache rows
     // after the cached ones (the positions they will have once committed; a commit rewrites them), so that all keys
     // are rows [0, kv_len + T) of one matrix.
+    // (attn_ld_ is a multiple of the key alignment, so n_keys rounded up fits as well.)
     const int64_t n_keys = kv_len_ + T;
-    const bool gemm_attn = pass == Pass::Decoder && L.attn_ptrs && T <= cfg_.canvas_length && n_keys <= attn_ld_ &&
-                           cuda::gemm_attention_key_columns(int(n_keys)) <= attn_ld_;
+    const bool gemm_attn = pass == Pass::Decoder && L.attn_ptrs && n_keys <= attn_ld_;
     bf16* kn = gemm_attn ? L.kc + size_t(kv_len_) * nkv * D : s_.kn;
     bf16* vn = gemm_attn ? L.vc + size_t(kv_len_) * nkv * D : s_.vn;
     cuda::qkv_norm_rope(s_.qkv, T, nh, nkv, D, !L.shape.has_v_proj, L.q_norm, L.k_norm, L.inv_freq, kv_len_, eps,
                         s_.q, kn, vn, stream_);
     mark(kStAttnProj);
-    if (gemm_attn) cuda::gemm_attention(*gemm_, gemm_attention_args(L), T, int(n_keys), stream_);
-    cuda::AttentionArgs a{};
-    a.q = s_.q;
-    a.T = T, a.nh = nh, a.nkv = nkv, a.D = D;
-    a.k_cache = L.kc, a.v_cache = L.vc, a.cap = L.cap;
-    a.first_pos = sliding ? std::max<int64_t>(0, kv_len_ - (cfg_.sliding_window - 1)) : 0;
-    a.n_old = kv_len_ - a.first_pos;
-    a.k_new = s_.kn, a.v_new = s_.vn, a.T_new = T;
-    a.q_pos0 = kv_len_;
-    a.causal = pass == Pass::Encoder;
-    a.window = sliding ? cfg_.sliding_window : 0;
-    a.out = s_.att;
-    if (!gemm_attn) cuda::attention(a, stream_);
+    if (gemm_attn) {
+      cuda::gemm_attention(*gemm_, gemm_attention_args(L), T, int(n_keys), stream_);
+    } else {
+      cuda::AttentionArgs a{};
+      a.q = s_.q;
+      a.T = T, a.nh = nh, a.nkv = nkv, a.D = D;
+      a.k_cache = L.kc, a.v_cache = L.vc, a.cap = L.cap;
+      a.first_pos = sliding ? std::max<int64_t>(0, kv_len_ - (cfg_.sliding_window - 1)) : 0;
+      a.n_old = kv_len_ - a.first_pos;
+      a.k_new = s_.kn, a.v_new = s_.vn, a.T_new = T;
+      a.q_pos0 = kv_len_;
+      a.causal = pass == Pass::Encoder;
+      a.window = sliding ? cfg_.sliding_window : 0;
+      a.out = s_.att;
+      cuda::attention(a, stream_);
+    }
     mark(kStAttention);
     if (pass == Pass::Encoder) cuda::kv_write(s_.kn, s_.vn, T, nkv * D, kv_len_, L.kc, L.vc, L.cap, stream_);
     gemm_->linear(s_.att, Dt::BF16, T, L.wo, Dt::BF16, H, nh * D, s_.a, Dt::BF16, stream_);
@@ -886,12 +897,9 @@ class CudaBackend final : public Backend {
                   ? std::min<int64_t>(opt_.max_context, cfg_.sliding_window - 1 + opt_.sliding_rewind)
                   : opt_.max_context;
       L.cap = std::max<int64_t>(L.cap, 1);
-      // Full layers with the GEMM attention: + the rows its key columns round up into (zeroed at allocation: P is 0
-      // there, and 0 times a finite value is 0).
-      const size_t pad = gemm_attention_ && L.shape.kind != LayerKind::Sliding ? cuda::kGemmAttentionKeyAlign : 0;
-      L.kc = ar.take<bf16>((size_t(L.cap) + pad) * nkv * D);
-      L.vc = ar.take<bf16>((size_t(L.cap) + pad) * nkv * D);
-      L.attn_ptrs = pad ? ar.take<void*>(cuda::gemm_attention_pointer_count(int(nh))) : nullptr;
+      L.kc = ar.take<bf16>(kv_rows(L) * nkv * D);
+      L.vc = ar.take<bf16>(kv_rows(L) * nkv * D);
+      L.attn_ptrs = uses_gemm_attention(L) ? ar.take<void*>(cuda::gemm_attention_pointer_count(int(nh))) : nullptr;
     }
     s_.attn_S = gemm_attention_ ? ar.take<float>(nh * Lc * size_t(attn_ld_)) : nullptr;
     s_.attn_P = gemm_attention_ ? ar.take<bf16>(nh * Lc * size_t(attn_ld_)) : nullptr;

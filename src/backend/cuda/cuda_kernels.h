@@ -151,9 +151,7 @@ struct GemmAttentionArgs {
 constexpr int kGemmAttentionKeyAlign = 64;  // cuBLASLt's kernels ran ~5x slower at 1279 keys than at 1280 (H200)
 int gemm_attention_key_columns(int n);      // n rounded up to kGemmAttentionKeyAlign
 size_t gemm_attention_pointer_count(int nh);
-// a's batch pointers (they depend only on the buffers), into host memory out[gemm_attention_pointer_count(nh)].
-void gemm_attention_pointers(const GemmAttentionArgs& a, void** out);
-// Writes a's batch pointers into a.ptrs; synchronizes s.
+// Writes a's batch pointers (they depend only on the buffers) into a.ptrs; synchronizes s.
 void set_gemm_attention_pointers(const GemmAttentionArgs& a, cudaStream_t s);
 // Attention of T queries over keys [0, n) on gemm's stream s (three launches: S GEMM, softmax, PV GEMM).
 void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaStream_t s);

@@ -153,6 +153,8 @@ void softmax_rows_to_bf16(const float* S, int ld, int rows, int groups, int grou
 
 size_t gemm_attention_pointer_count(int nh) { return size_t(6) * size_t(nh); }
 
+namespace {
+// a's batch pointers (they depend only on the buffers), into host memory out[gemm_attention_pointer_count(nh)].
 void gemm_attention_pointers(const GemmAttentionArgs& a, void** out) {
   const int g = a.nh / a.nkv, nh = a.nh;
   for (int h = 0; h < nh; ++h) {
@@ -164,6 +166,7 @@ void gemm_attention_pointers(const GemmAttentionArgs& a, void** out) {
     out[5 * nh + h] = a.out + size_t(h) * a.D;                                  // PV: C
   }
 }
+}  // namespace
 
 void set_gemm_attention_pointers(const GemmAttentionArgs& a, cudaStream_t s) {
   std::vector<void*> p(gemm_attention_pointer_count(a.nh));
