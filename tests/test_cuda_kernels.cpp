@@ -15,6 +15,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_device.h"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/expert_layout.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/pdl.h"
 #include "util/dtype.h"
@@ -638,7 +639,9 @@ TEST(CudaKernels, MoeGroupedExperts) {
                                // > 64 rows per expert (several m-tiles) with a deep k pipeline and a ragged K tail
                                std::tuple{200, 8, 4, 1000, 200},
                                // ~300 rows per expert (prefill kernel: several m-tiles in one ring), one unused expert
-                               std::tuple{600, 4, 2, 264, 88}}) {
+                               std::tuple{600, 4, 2, 264, 88},
+                               // the same kernel on shapes with a packed gate_up layout (checked below)
+                               std::tuple{600, 4, 2, 256, 128}}) {
     auto x = rnd(size_t(T) * H), gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
     auto wts = rnd(size_t(T) * k, 0.1f, 1.0f);
     auto idx = random_routing(T, E, k);
@@ -650,6 +653,23 @@ TEST(CudaKernels, MoeGroupedExperts) {
     moe_gate_up(xs.p, off.p, E, T * k, dgu.p, H, I, act.p, nullptr);
     moe_down(act.p, off.p, E, T * k, ddn.p, H, I, y.p, nullptr);
     moe_combine(y.p, didx.p, dw.p, spos.p, T, k, H, out.p, nullptr);
+    if (expert_gate_up_packable(H, I)) {  // packed weights: the same smem tiles, so bitwise the same act
+      Dev<bf16> dgu_pk(gu.size()), act_pk(idx.size() * I);
+      pack_expert_gate_up(dgu.p, dgu_pk.p, E, H, I, nullptr);
+      moe_gate_up(xs.p, off.p, E, T * k, dgu_pk.p, H, I, act_pk.p, nullptr, nullptr, true);
+      const auto a = act.get(), ap = act_pk.get();
+      EXPECT_EQ(std::memcmp(a.data(), ap.data(), a.size() * sizeof(bf16)), 0)
+          << "grouped gate_up on packed weights, T " << T << " E " << E << " H " << H;
+    }
+    if (expert_down_packable(H, I)) {  // and y
+      Dev<bf16> ddn_pk(dn.size());
+      Dev<float> y_pk(idx.size() * H);
+      pack_expert_down(ddn.p, ddn_pk.p, E, H, I, nullptr);
+      moe_down(act.p, off.p, E, T * k, ddn_pk.p, H, I, y_pk.p, nullptr, nullptr, true);
+      const auto yy = y.get(), yp = y_pk.get();
+      EXPECT_EQ(std::memcmp(yy.data(), yp.data(), yy.size() * sizeof(float)), 0)
+          << "grouped down on packed weights, T " << T << " E " << E << " H " << H;
+    }
     auto offs = off.get();
     EXPECT_EQ(offs[size_t(E)], T * k);
     EXPECT_LE(rel_err(out.get(), moe_reference(x, gu, dn, wts, idx, T, E, k, H, I)), 1e-2)
@@ -781,6 +801,42 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
                                  {.grid = 7, .stages = 5, .tile_counters = fused_ctr.p});
     moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_f3.p, y_f3.p, nullptr,
                                  {.grid = 1000, .stages = 3, .tile_counters = fused_ctr.p});
+    // The packed gate_up layout (1D bulk copies of pre-swizzled stages) through every producer path: token rows from
+    // the xs map, from x by slot_token, from the masks, the fused launch; 5 SMs (8-stage ring), an L2 prefetch.
+    ASSERT_TRUE(expert_gate_up_packable(H, I));
+    Dev<bf16> dgu_pk(gu.size());
+    pack_expert_gate_up(dgu.p, dgu_pk.p, E, H, I, nullptr);
+    Dev<bf16> act_pk(6 * rows * I);  // six outputs side by side
+    auto pk = [&](int i) { return act_pk.p + size_t(i) * rows * I; };
+    Dev<float> y_fpk(rows * H);
+    moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, pk(0), nullptr, {.gate_up_packed = dgu_pk.p});
+    moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, pk(1), nullptr,
+                           {.sms = 5, .l2_prefetch_slices = 6, .gate_up_packed = dgu_pk.p});
+    moe_gate_up_padded_tma_gathered(wgu, dx.p, slot.p, valid, E, H, I, pk(2), nullptr,
+                                    {.tile_counters = tile_ctr.p, .gate_up_packed = dgu_pk.p});
+    moe_gate_up_padded_tma_masked(wgu, dx.p, dmasks.p, T, E, H, I, pk(3), nullptr,
+                                  {.tile_counters = tile_ctr.p, .gate_up_packed = dgu_pk.p});
+    moe_gate_up_padded_tma_masked(wgu, dx.p, dmasks.p, T, E, H, I, pk(4), nullptr,
+                                  {.grid = 7, .stages = 5, .gate_up_packed = dgu_pk.p});
+    moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, pk(5), y_fpk.p, nullptr,
+                                 {.tile_counters = fused_ctr.p, .gate_up_packed = dgu_pk.p});
+    // Packed down weights, and down's row counts from the masks: the plain kernel (all SMs; 5 SMs with an L2
+    // prefetch), the masked one with and without packing, and the fused launch with both packed (7 blocks).
+    ASSERT_TRUE(expert_down_packable(H, I));
+    Dev<bf16> ddn_pk(dn.size());
+    pack_expert_down(ddn.p, ddn_pk.p, E, H, I, nullptr);
+    Dev<float> y_pk(5 * rows * H);  // five outputs side by side
+    auto ypk = [&](int i) { return y_pk.p + size_t(i) * rows * H; };
+    Dev<bf16> act_fpk2(rows * I);
+    moe_down_padded_tma(wdn, am, valid, E, H, I, ypk(0), nullptr, {.down_packed = ddn_pk.p});
+    moe_down_padded_tma(wdn, am, valid, E, H, I, ypk(1), nullptr,
+                        {.sms = 5, .l2_prefetch_slices = 6, .down_packed = ddn_pk.p});
+    moe_down_padded_tma_masked(wdn, am, dmasks.p, T, E, H, I, ypk(2), nullptr);
+    moe_down_padded_tma_masked(wdn, am, dmasks.p, T, E, H, I, ypk(3), nullptr,
+                               {.grid = 7, .stages = 5, .down_packed = ddn_pk.p});
+    moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_fpk2.p, ypk(4), nullptr,
+                                 {.grid = 7, .stages = 5, .tile_counters = fused_ctr.p, .gate_up_packed = dgu_pk.p,
+                                  .down_packed = ddn_pk.p});
     set_pdl(false);
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act4.p, nullptr);
     moe_down_padded_tma(wdn, am, valid, E, H, I, y4.p, nullptr);
@@ -891,8 +947,100 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     EXPECT_TRUE(same(a1, af3)) << "fused, three 3-stage blocks per SM: act, " << what;
     EXPECT_TRUE(same(y1, yf3)) << "fused, three 3-stage blocks per SM: y, " << what;
     EXPECT_EQ(fused_ctr_after, std::vector<unsigned>(2 + size_t(E), 0u)) << "fused counters not left zeroed, " << what;
+    const char* packed_case[6] = {"xs map", "xs map, 5 SMs, L2 prefetch", "x by slot_token, tile counter",
+                                  "masks, tile counter", "masks, 7 blocks of 5 stages", "fused launch"};
+    const auto apk = act_pk.get();
+    for (int i = 0; i < 6; ++i)
+      EXPECT_TRUE(same(a1, std::vector<bf16>(apk.begin() + i * rows * I, apk.begin() + (i + 1) * rows * I)))
+          << "gate_up on packed weights, " << packed_case[i] << ", " << what;
+    EXPECT_TRUE(same(y1, y_fpk.get())) << "fused gate_up (packed) + down: y, " << what;
+    const char* down_case[5] = {"packed", "packed, 5 SMs, L2 prefetch", "rows from the masks",
+                                "rows from the masks, packed, 7 blocks of 5 stages", "fused launch, both packed"};
+    const auto ypk_all = y_pk.get();
+    for (int i = 0; i < 5; ++i)
+      EXPECT_TRUE(same(y1, std::vector<float>(ypk_all.begin() + i * rows * H, ypk_all.begin() + (i + 1) * rows * H)))
+          << "down, " << down_case[i] << ", " << what;
+    EXPECT_TRUE(same(a1, act_fpk2.get())) << "fused launch, both packed: act, " << what;
+    EXPECT_EQ(tile_ctr.get(), (std::vector<unsigned>{0u, 0u})) << "tile counters not left zeroed (packed), " << what;
     if (E == 3) {
       EXPECT_GT(overflow, 0) << "the case meant to overflow does not";
+    }
+  }
+}
+
+// pack_expert_gate_up: every weight lands where expert_gate_up_packed_offset says, the offsets of a layer are a
+// permutation of its elements (nothing overwritten, nothing left out), and within a stage the gate rows come before
+// the up rows with the 128-byte swizzle (chunk c of row r at c ^ (r % 8)). Shapes: one expert of one tile and slice,
+// several experts with several tiles and slices, and two experts at the real H / I.
+TEST(CudaKernels, PackExpertGateUp) {
+  REQUIRE_GPU();
+  EXPECT_FALSE(expert_gate_up_packable(2816, 88));
+  EXPECT_FALSE(expert_gate_up_packable(96, 64));
+  for (auto [E, H, I] : {std::tuple{1, 64, 64}, std::tuple{3, 192, 128}, std::tuple{2, 2816, 704}}) {
+    ASSERT_TRUE(expert_gate_up_packable(H, I));
+    const size_t n = size_t(E) * 2 * I * H;
+    std::vector<uint16_t> src(n);
+    for (size_t i = 0; i < n; ++i) src[i] = uint16_t(i * 2654435761u >> 7);  // distinct enough to locate errors
+    Dev<bf16> dsrc(n), ddst(n);
+    CUDA_CHECK(cudaMemcpy(dsrc.p, src.data(), n * 2, cudaMemcpyHostToDevice));
+    pack_expert_gate_up(dsrc.p, ddst.p, E, H, I, nullptr);
+    std::vector<uint16_t> dst(n);
+    CUDA_CHECK(cudaMemcpy(dst.data(), ddst.p, n * 2, cudaMemcpyDeviceToHost));
+    std::vector<uint8_t> hit(n, 0);
+    int64_t misplaced = 0, collisions = 0;
+    for (int e = 0; e < E; ++e)
+      for (int r = 0; r < 2 * I; ++r)
+        for (int k = 0; k < H; ++k) {
+          const size_t o = expert_gate_up_packed_offset(e, r, k, H, I);
+          ASSERT_LT(o, n);
+          collisions += hit[o]++ != 0;
+          misplaced += dst[o] != src[(size_t(e) * 2 * I + r) * H + k];
+        }
+    EXPECT_EQ(collisions, 0) << "E " << E << " H " << H << " I " << I;
+    EXPECT_EQ(misplaced, 0) << "E " << E << " H " << H << " I " << I;
+    // stage 0: gate row 0 k 0..7 first; up row 0 (row I) 8 KB in; row 1 chunk 0 at chunk 1 (swizzle); the next k
+    // slice is the next stage; the next tile's gate rows come after all k slices of this tile
+    EXPECT_EQ(expert_gate_up_packed_offset(0, 0, 0, H, I), 0u);
+    EXPECT_EQ(expert_gate_up_packed_offset(0, I, 0, H, I), 4096u);
+    EXPECT_EQ(expert_gate_up_packed_offset(0, 1, 0, H, I), 64u + 8u);
+    if (H > 64) {
+      EXPECT_EQ(expert_gate_up_packed_offset(0, 0, 64, H, I), 8192u);
+    }
+    if (I > 64) {
+      EXPECT_EQ(expert_gate_up_packed_offset(0, 64, 0, H, I), 8192u * size_t(H / 64));
+    }
+  }
+  // down [E, H, I]: the same checks; a tile is 128 consecutive rows (rows 64-127 8 KB into the stage)
+  EXPECT_FALSE(expert_down_packable(192, 64));
+  for (auto [E, H, I] : {std::tuple{1, 128, 64}, std::tuple{3, 384, 192}, std::tuple{2, 2816, 704}}) {
+    ASSERT_TRUE(expert_down_packable(H, I));
+    const size_t n = size_t(E) * H * I;
+    std::vector<uint16_t> src(n);
+    for (size_t i = 0; i < n; ++i) src[i] = uint16_t(i * 2654435761u >> 7);
+    Dev<bf16> dsrc(n), ddst(n);
+    CUDA_CHECK(cudaMemcpy(dsrc.p, src.data(), n * 2, cudaMemcpyHostToDevice));
+    pack_expert_down(dsrc.p, ddst.p, E, H, I, nullptr);
+    std::vector<uint16_t> dst(n);
+    CUDA_CHECK(cudaMemcpy(dst.data(), ddst.p, n * 2, cudaMemcpyDeviceToHost));
+    std::vector<uint8_t> hit(n, 0);
+    int64_t misplaced = 0, collisions = 0;
+    for (int e = 0; e < E; ++e)
+      for (int r = 0; r < H; ++r)
+        for (int k = 0; k < I; ++k) {
+          const size_t o = expert_down_packed_offset(e, r, k, H, I);
+          ASSERT_LT(o, n);
+          collisions += hit[o]++ != 0;
+          misplaced += dst[o] != src[(size_t(e) * H + r) * I + k];
+        }
+    EXPECT_EQ(collisions, 0) << "down E " << E << " H " << H << " I " << I;
+    EXPECT_EQ(misplaced, 0) << "down E " << E << " H " << H << " I " << I;
+    EXPECT_EQ(expert_down_packed_offset(0, 64, 0, H, I), 4096u);
+    EXPECT_EQ(expert_down_packed_offset(0, 9, 8, H, I), 9u * 64 + 0u);  // chunk 1 of row 9 at chunk 1 ^ 1 = 0
+    if (I > 64) {
+      EXPECT_EQ(expert_down_packed_offset(0, 0, 64, H, I), 8192u);
+    }
+    if (H > 128) {
+      EXPECT_EQ(expert_down_packed_offset(0, 128, 0, H, I), 8192u * size_t(I / 64));
     }
   }
 }
@@ -986,6 +1134,30 @@ TEST(CudaKernels, MoeExpertsPaddedTmaLatePredecessor) {
       const auto a = act.get();
       EXPECT_EQ(std::memcmp(a.data(), act_ref.data(), a.size() * sizeof(bf16)), 0)
           << "gate_up from the masks after a late predecessor: delay " << delay_us << " us, E " << E;
+    }
+    // the same with packed weights (their first stages requested by 1D bulk copies before the wait), then down with
+    // packed weights and its row counts from the same masks
+    Dev<bf16> dgu_pk(gu.size()), ddn_pk(dn.size());
+    pack_expert_gate_up(dgu.p, dgu_pk.p, E, H, I, nullptr);
+    pack_expert_down(ddn.p, ddn_pk.p, E, H, I, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    for (int delay_us : {3000, 30, 0}) {
+      CUDA_CHECK(cudaMemsetAsync(xg.p, 0xff, x.size() * sizeof(bf16), st));
+      CUDA_CHECK(cudaMemsetAsync(masks.p, 0xff, masks.n * sizeof(unsigned), st));
+      CUDA_CHECK(cudaMemsetAsync(act.p, 0xff, rows * I * sizeof(bf16), st));
+      delayed_copy_for_test(dx.p, xg.p, x.size() * sizeof(bf16), masks_src.p, masks.p, masks.n * sizeof(unsigned),
+                            delay_us, st);
+      moe_gate_up_padded_tma_masked(wgu, xg.p, masks.p, T, E, H, I, act.p, st, {.gate_up_packed = dgu_pk.p});
+      CUDA_CHECK(cudaMemsetAsync(y.p, 0xff, rows * H * sizeof(float), st));
+      moe_down_padded_tma_masked(wdn, am, masks.p, T, E, H, I, y.p, st, {.down_packed = ddn_pk.p});
+      CUDA_CHECK(cudaStreamSynchronize(st));
+      const auto a = act.get();
+      const auto yy = y.get();
+      EXPECT_EQ(std::memcmp(a.data(), act_ref.data(), a.size() * sizeof(bf16)), 0)
+          << "gate_up from the masks on packed weights after a late predecessor: delay " << delay_us << " us, E "
+          << E;
+      EXPECT_EQ(std::memcmp(yy.data(), y_ref.data(), yy.size() * sizeof(float)), 0)
+          << "down (rows from the masks, packed) after that gate_up: delay " << delay_us << " us, E " << E;
     }
     CUDA_CHECK(cudaStreamDestroy(st));
   }

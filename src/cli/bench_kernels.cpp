@@ -262,9 +262,42 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
     const cuda::TmaMap wdn_map = cuda::tma_map_bf16_rows(wdn, int64_t(E) * H, Ie, 64);
     const cuda::TmaMap act_map = cuda::tma_map_bf16_rows(acte, int64_t(E) * M, Ie, M);
     const int32_t* valid = meta + 1 + E;
-    add("gate_up TMA, tokens from the masks, tile counter (engine)", pad + ", " + std::to_string(2 * Ie) + "x" +
-        std::to_string(H), gu_bytes, gu_flops, [=](cudaStream_t st) {
+    // The engine's weights are packed (CudaOptions::pack_expert_gate_up): one 1D bulk copy a ring stage.
+    bf16* wgu_packed = ar.take<bf16>(size_t(E) * 2 * Ie * H);
+    cuda::pack_expert_gate_up(wgu, wgu_packed, E, H, Ie, s);
+    add("gate_up TMA, tokens from the masks, tile counter, packed weights (engine)",
+        pad + ", " + std::to_string(2 * Ie) + "x" + std::to_string(H), gu_bytes, gu_flops, [=](cudaStream_t st) {
+          cuda::moe_gate_up_padded_tma_masked(wgu_map, xe, masks, T, E, H, Ie, acte, st,
+                                              {.tile_counters = tiles, .gate_up_packed = wgu_packed});
+        });
+    add("gate_up TMA, tokens from the masks, tile counter, 2D boxes (--no-pack-gate-up)", pad, gu_bytes, gu_flops,
+        [=](cudaStream_t st) {
           cuda::moe_gate_up_padded_tma_masked(wgu_map, xe, masks, T, E, H, Ie, acte, st, {.tile_counters = tiles});
+        });
+    add("gate_up + down fused TMA, packed gate_up (--fused-experts)", pad + ", one launch", gu_bytes + dn_bytes,
+        gu_flops + dn_flops, [=](cudaStream_t st) {
+          cuda::moe_experts_fused_tma_masked(wgu_map, wdn_map, xe, masks, T, E, H, Ie, acte, y, st,
+                                             {.tile_counters = tiles, .gate_up_packed = wgu_packed});
+        });
+    bf16* wdn_packed = ar.take<bf16>(size_t(E) * H * Ie);
+    cuda::pack_expert_down(wdn, wdn_packed, E, H, Ie, s);
+    add("down TMA, packed weights, rows from the masks (--pack-down)", pad + ", " + std::to_string(H) + "x" +
+        std::to_string(Ie), dn_bytes, dn_flops, [=](cudaStream_t st) {
+          cuda::moe_down_padded_tma_masked(wdn_map, act_map, masks, T, E, H, Ie, y, st,
+                                           {.down_packed = wdn_packed});
+        });
+    add("gate_up + down fused TMA, both packed (--fused-experts --pack-down)", pad + ", one launch",
+        gu_bytes + dn_bytes, gu_flops + dn_flops, [=](cudaStream_t st) {
+          cuda::moe_experts_fused_tma_masked(
+              wgu_map, wdn_map, xe, masks, T, E, H, Ie, acte, y, st,
+              {.tile_counters = tiles, .gate_up_packed = wgu_packed, .down_packed = wdn_packed});
+        });
+    add("gate_up TMA masked then down TMA masked, both packed (--pack-down)", pad + ", two launches",
+        gu_bytes + dn_bytes, gu_flops + dn_flops, [=](cudaStream_t st) {
+          cuda::moe_gate_up_padded_tma_masked(wgu_map, xe, masks, T, E, H, Ie, acte, st,
+                                              {.tile_counters = tiles, .gate_up_packed = wgu_packed});
+          cuda::moe_down_padded_tma_masked(wdn_map, act_map, masks, T, E, H, Ie, y, st,
+                                           {.down_packed = wdn_packed});
         });
     add("gate_up TMA, rows from x by slot_token, tile counter", pad, gu_bytes, gu_flops, [=](cudaStream_t st) {
       cuda::moe_gate_up_padded_tma_gathered(wgu_map, xe, slot, valid, E, H, Ie, acte, st, {.tile_counters = tiles});
@@ -274,7 +307,7 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
     });
     add("down TMA (--tma-experts-down)", pad + ", " + std::to_string(H) + "x" + std::to_string(Ie), dn_bytes,
         dn_flops, [=](cudaStream_t st) { cuda::moe_down_padded_tma(wdn_map, act_map, valid, E, H, Ie, y, st); });
-    add("gate_up + down fused TMA (--fused-experts)", pad + ", one launch", gu_bytes + dn_bytes, gu_flops + dn_flops,
+    add("gate_up + down fused TMA, 2D boxes", pad + ", one launch", gu_bytes + dn_bytes, gu_flops + dn_flops,
         [=](cudaStream_t st) {
           cuda::moe_experts_fused_tma_masked(wgu_map, wdn_map, xe, masks, T, E, H, Ie, acte, y, st,
                                              {.tile_counters = tiles});
@@ -292,9 +325,10 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
           cuda::moe_experts_fused_tma_masked(wgu_map0, wdn_map0, xe, masks, T, E, H, Ie, acte, y, st,
                                              {.tile_counters = tiles});
         });
-    add("gate_up TMA masked, then cuBLASLt down (engine)", pad + ", two launches", gu_bytes + dn_bytes,
+    add("gate_up TMA masked, packed, then cuBLASLt down (engine)", pad + ", two launches", gu_bytes + dn_bytes,
         gu_flops + dn_flops, [=, &gemm](cudaStream_t st) {
-          cuda::moe_gate_up_padded_tma_masked(wgu_map, xe, masks, T, E, H, Ie, acte, st, {.tile_counters = tiles});
+          cuda::moe_gate_up_padded_tma_masked(wgu_map, xe, masks, T, E, H, Ie, acte, st,
+                                              {.tile_counters = tiles, .gate_up_packed = wgu_packed});
           gemm.linear_batched(acte, Dt::BF16, M, wdn, Dt::BF16, H, Ie, y, Dt::F32, E, st);
         });
   }
@@ -330,8 +364,22 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
         [=](cudaStream_t st) { cuda::moe_group(didx, Tp, K, E, xp, H, off, sp2, xsp, st); });
     add("moe_gate_up grouped (prefill)", gp, gu_bytes + double(Tp) * K * (H + Ie) * 2, 2.0 * Tp * K * H * 2 * Ie,
         [=](cudaStream_t st) { cuda::moe_gate_up(xsp, off, E, Tp * K, wgu, H, Ie, actp, st); });
+    if (cuda::expert_gate_up_packable(H, Ie)) {
+      bf16* wgu_p = ar.take<bf16>(size_t(E) * 2 * Ie * H);
+      cuda::pack_expert_gate_up(wgu, wgu_p, E, H, Ie, s);
+      add("moe_gate_up grouped (prefill), packed weights (engine)", gp, gu_bytes + double(Tp) * K * (H + Ie) * 2,
+          2.0 * Tp * K * H * 2 * Ie,
+          [=](cudaStream_t st) { cuda::moe_gate_up(xsp, off, E, Tp * K, wgu_p, H, Ie, actp, st, nullptr, true); });
+    }
     add("moe_down grouped (prefill)", gp, dn_bytes + double(Tp) * K * (Ie * 2 + H * 4), 2.0 * Tp * K * H * Ie,
         [=](cudaStream_t st) { cuda::moe_down(actp, off, E, Tp * K, wdn, H, Ie, yp, st); });
+    if (cuda::expert_down_packable(H, Ie)) {
+      bf16* wdn_p = ar.take<bf16>(size_t(E) * H * Ie);
+      cuda::pack_expert_down(wdn, wdn_p, E, H, Ie, s);
+      add("moe_down grouped (prefill), packed weights (--pack-down)", gp,
+          dn_bytes + double(Tp) * K * (Ie * 2 + H * 4), 2.0 * Tp * K * H * Ie,
+          [=](cudaStream_t st) { cuda::moe_down(actp, off, E, Tp * K, wdn_p, H, Ie, yp, st, nullptr, true); });
+    }
   }
 
   // ---- logits, sampler statistics, SC ----

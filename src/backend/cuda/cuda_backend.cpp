@@ -43,6 +43,8 @@ struct DevLayer {
   int64_t cap = 0;
   void** attn_ptrs = nullptr;  // full layers with gemm_attention_: the denoise attention's batch pointers
   cuda::TmaMap exp_gu_map{}, exp_down_map{};  // over exp_gu / exp_down for the TMA expert kernels (use_tma_experts_)
+  bool gu_packed = false;  // exp_gu in the packed layout (CudaOptions::pack_expert_gate_up, cuda/expert_layout.h)
+  bool dn_packed = false;  // exp_down likewise (CudaOptions::pack_expert_down)
 };
 
 struct Scratch {
@@ -76,14 +78,24 @@ class CudaWeights {
            cfg_.intermediate_size, cfg_.moe_intermediate_size);
     for (auto& ls : cfg_.layers)
       if (ls.head_dim % 16) fail("CUDA backend: head_dim {} is not a multiple of 16", ls.head_dim);
+    const int H = cfg_.hidden_size, Ie = cfg_.moe_intermediate_size, E = cfg_.num_experts;
+    const bool tma_ok = cuda::experts_tma_supported(
+        cuda::moe_padded_rows_per_expert(cfg_.canvas_length, cfg_.top_k_experts, E), H, Ie);
+    pack_gate_up_ = opt.pack_expert_gate_up && tma_ok && cuda::expert_gate_up_packable(H, Ie);
+    pack_down_ = opt.pack_expert_down && tma_ok && cuda::expert_down_packable(H, Ie);
+    // Packing goes through one layer's gate_up worth of scratch (down is half of it), freed after the upload.
+    const size_t pack_scratch =
+        pack_gate_up_ || pack_down_ ? size_t(E) * 2 * size_t(Ie) * size_t(H) * sizeof(bf16) : 0;
     Arena dry;
     layout(dry);
     size_t free_b = 0, total_b = 0;
     CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    const size_t need = dry.used + (size_t(64) << 20);
+    const size_t need = dry.used + pack_scratch + (size_t(64) << 20);
     if (need > free_b)
-      fail("the model's weights need {:.2f} GiB of GPU memory as bf16 but only {:.2f} of {:.2f} GiB are free",
-           double(need) / (1 << 30), double(free_b) / (1 << 30), double(total_b) / (1 << 30));
+      fail("the model's weights need {:.2f} GiB of GPU memory as bf16 (with {:.2f} GiB of upload scratch) but only "
+           "{:.2f} of {:.2f} GiB are free",
+           double(need) / (1 << 30), double(pack_scratch) / (1 << 30), double(free_b) / (1 << 30),
+           double(total_b) / (1 << 30));
     CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
     layout(arena_);
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -92,6 +104,7 @@ class CudaWeights {
         upload(*model);
       else
         synthesize(seed);
+      if (pack_gate_up_ || pack_down_) pack_experts(pack_scratch);
     } catch (...) {
       cudaStreamDestroy(stream_);
       cudaFree(arena_.base);
@@ -134,6 +147,34 @@ class CudaWeights {
       L.pes = ar.take<float>(E);
       L.inv_freq = ar.take<float>(D / 2);
     }
+  }
+
+  // Every layer's exp_gu / exp_down (pack_gate_up_ / pack_down_) from the checkpoint layout into the packed one,
+  // through `scratch_bytes` of scratch.
+  void pack_experts(size_t scratch_bytes) {
+    const int H = cfg_.hidden_size, Ie = cfg_.moe_intermediate_size, E = cfg_.num_experts;
+    const size_t gu_bytes = size_t(E) * 2 * size_t(Ie) * size_t(H) * sizeof(bf16), dn_bytes = gu_bytes / 2;
+    bf16* tmp = nullptr;
+    CUDA_CHECK(cudaMalloc(&tmp, scratch_bytes));
+    try {
+      for (DevLayer& L : layers_) {
+        if (pack_gate_up_) {
+          CUDA_CHECK(cudaMemcpyAsync(tmp, L.exp_gu, gu_bytes, cudaMemcpyDeviceToDevice, stream_));
+          cuda::pack_expert_gate_up(tmp, L.exp_gu, E, H, Ie, stream_);
+          L.gu_packed = true;
+        }
+        if (pack_down_) {
+          CUDA_CHECK(cudaMemcpyAsync(tmp, L.exp_down, dn_bytes, cudaMemcpyDeviceToDevice, stream_));
+          cuda::pack_expert_down(tmp, L.exp_down, E, H, Ie, stream_);
+          L.dn_packed = true;
+        }
+      }
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+    } catch (...) {
+      cudaFree(tmp);
+      throw;
+    }
+    CUDA_CHECK(cudaFree(tmp));
   }
 
   void inv_freqs(DevLayer& L, std::vector<float>& f) {
@@ -276,6 +317,8 @@ class CudaWeights {
   Arena arena_;
   bf16 *embed_ = nullptr, *sc_gu_ = nullptr, *sc_down_ = nullptr;
   float *final_norm_ = nullptr, *sc_pre_norm_ = nullptr;
+  bool pack_gate_up_ = false;     // CudaOptions::pack_expert_gate_up where the shapes and the GPU allow it
+  bool pack_down_ = false;        // CudaOptions::pack_expert_down likewise
   std::vector<DevLayer> layers_;  // weight pointers only (no KV)
 };
 
@@ -751,32 +794,39 @@ class CudaBackend final : public Backend {
     const int Ie = cfg_.moe_intermediate_size;
     // Canvas-sized passes (denoise, commit): experts padded to M rows as one strided-batched cuBLASLt GEMM each
     // (weights stream at ~4.1 instead of ~3.4 TB/s); the rare rows past M go through the grouped kernels.
-    const bool padded = opt_.padded_experts && T <= cfg_.canvas_length;
-    const int M = padded ? cuda::moe_padded_rows_per_expert(T, K, E) : 0;
+    const bool padded_ok = opt_.padded_experts && T <= cfg_.canvas_length;
+    const int M = padded_ok ? cuda::moe_padded_rows_per_expert(T, K, E) : 0;
     // TMA gate_up (CudaOptions::tma_experts); its maps were built for the canvas's M (32). With
     // CudaOptions::tma_gather_rows it reads each expert's token rows from xe itself (slot_token), so no gather
     // kernel stands between the assignment and the experts; only the rare overflow rows are gathered, on the
     // overflow GEMMs' stream.
-    const bool tma = padded && use_tma_experts_ && M == cuda::moe_padded_rows_per_expert(cfg_.canvas_length, K, E);
+    const bool tma = padded_ok && use_tma_experts_ && M == cuda::moe_padded_rows_per_expert(cfg_.canvas_length, K, E);
+    // Packed expert weights (CudaOptions::pack_expert_gate_up / _down) are read by the TMA and the grouped kernels
+    // only: a padded pass that cannot take the TMA path (cuBLASLt's GEMMs read the checkpoint layout) runs grouped.
+    const bool padded = padded_ok && (tma || (!L.gu_packed && !L.dn_packed));
     const bool gathered = tma && opt_.tma_gather_rows;
     // CudaOptions::fused_router: the router GEMM and top-k in two launches, which also leave each expert's tokens as
     // a bit mask. With the gathered TMA gate_up, that kernel then reads its experts' tokens from the masks ("masked"),
     // and the assignment (for the combine, the overflow rows) runs beside it on the side stream instead of between the
-    // router and the experts. The TMA down kernel reads the assignment's row counts, so it keeps the assignment first.
+    // router and the experts. The TMA down kernel then counts its experts' rows from the masks too.
     const bool fused_router = padded && opt_.fused_router && cuda::router_fused_supported(E, H, K);
-    const bool masked = fused_router && gathered && T <= 1024 && !opt_.tma_experts_down;
+    const bool masked = fused_router && gathered && T <= 1024;
     // The dense MLP (compute-bound) and the router + experts (latency- then bandwidth-bound) are independent until
     // the combine: the dense MLP runs on a side stream (fork/join events, captured into the graph as parallel
     // branches). Stage-timed, traced and GEMM-tuning passes keep one stream so their times stay attributable.
     const bool overlap = opt_.overlap_dense_mlp && !timing_ && !trace_ && !cuda::gemm_tuning();
     const bool fused_experts = masked && opt_.fused_experts && opt_.dynamic_expert_tiles;
-    const bool down_tma = tma && opt_.tma_experts_down, down_cublas = !down_tma && !fused_experts;
+    // Packed down weights leave the TMA kernel (or the fused launch) as down's only padded path.
+    const bool down_tma = tma && !fused_experts && (opt_.tma_experts_down || L.dn_packed);
+    const bool down_cublas = !down_tma && !fused_experts;
     const cuda::TmaExpertsPlan plan{
         .sms = overlap ? opt_.expert_sms : 0,
         .grid = opt_.tma_experts_grid,
         .stages = opt_.tma_experts_stages,
         .l2_prefetch_slices = opt_.tma_experts_l2_prefetch,
-        .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr};
+        .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr,
+        .gate_up_packed = L.gu_packed ? L.exp_gu : nullptr,
+        .down_packed = L.dn_packed ? L.exp_down : nullptr};
     if (overlap) {
       CUDA_CHECK(cudaEventRecord(fork_, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
@@ -819,10 +869,10 @@ class CudaBackend final : public Backend {
       // after the dense MLP, beside the padded GEMMs instead of between them.
       auto overflow_gate_up = [&](cudaStream_t st) {
         if (gathered) cuda::moe_gather(s_.sorted_pos, T, K, s_.xe, H, s_.xs, st, /*min_row=*/E * M);
-        cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, st, s_.moe_meta);
+        cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, st, s_.moe_meta, L.gu_packed);
       };
       auto overflow_down = [&](cudaStream_t st) {
-        cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, st, s_.moe_meta);
+        cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, st, s_.moe_meta, L.dn_packed);
       };
       if (overlap) {
         CUDA_CHECK(cudaEventRecord(grouped_, stream_));
@@ -856,7 +906,9 @@ class CudaBackend final : public Backend {
       }
       if (!overlap) overflow_gate_up(stream_);
       mark(kStGateUp);
-      if (down_tma) {
+      if (down_tma && masked) {  // row counts from the masks: the assignment runs beside, on the side stream
+        cuda::moe_down_padded_tma_masked(L.exp_down_map, acte_map_, s_.expert_masks, T, E, H, Ie, s_.y, stream_, plan);
+      } else if (down_tma) {
         cuda::moe_down_padded_tma(L.exp_down_map, acte_map_, valid_rows, E, H, Ie, s_.y, stream_, plan);
       } else if (down_cublas) {
         gemm_->linear_batched(s_.acte, Dt::BF16, M, L.exp_down, Dt::BF16, H, Ie, s_.y, Dt::F32, E, stream_);
@@ -866,9 +918,9 @@ class CudaBackend final : public Backend {
     } else {
       cuda::moe_group(s_.idx, T, K, E, s_.xe, H, s_.offsets, s_.sorted_pos, s_.xs, stream_);
       mark(kStGroup);
-      cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, stream_);
+      cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, stream_, nullptr, L.gu_packed);
       mark(kStGateUp);
-      cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, stream_);
+      cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, stream_, nullptr, L.dn_packed);
       mark(kStDown);
     }
     if (overlap) {

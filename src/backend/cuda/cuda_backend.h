@@ -116,6 +116,18 @@ struct CudaOptions {
   // the TMA down kernel alone drops from 140.9 to 132.3 us (cuBLASLt's speed), gate_up rises 242.8 -> 247.8, and no
   // combination was faster per step than this default (docs/BENCHMARKS.md, session 8).
   int tma_weight_l2_promotion = 256;
+  // Weights option (upload_cuda_weights / synthetic_cuda_weights; backends over shared weights follow what these
+  // were built with): where the TMA gate_up kernel can run (sm_90a, 32 padded rows per expert, H and I multiples of
+  // 64), store the experts' gate_up weights packed (cuda/expert_layout.h), each of the kernel's 16 KB ring stages
+  // contiguous and pre-swizzled, so that one 1D bulk copy fills it instead of two 2D tensor-map boxes (4.46-4.49
+  // against 4.18-4.27 TB/s for a bare ring on the H200: tools/gpu/microbench/stream_bench.cu). The grouped kernels
+  // (prefill, overflow rows) read the packed layout too; a padded pass that cannot take the TMA path runs grouped
+  // instead of cuBLASLt (which needs the checkpoint layout). Same results, bitwise. A/B: bench --no-pack-gate-up.
+  bool pack_expert_gate_up = true;
+  // The same for the experts' down weights (weights option): the down GEMM of canvas passes then runs on the TMA
+  // kernel (as with tma_experts_down, its rows counted from the router's masks) or in the fused launch, never on
+  // cuBLASLt. A/B: bench --pack-down.
+  bool pack_expert_down = false;
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
   // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)
   // instead of the dense GEMM of the probs through the whole [V, H] table (~0.58 ms). The step falls back to the

@@ -261,7 +261,20 @@ struct TmaExpertsPlan {
   // tiles handed out by an atomic counter after each block's first, instead of the fixed stride, so that blocks
   // that start late (their SMs busy with another stream's kernels) take fewer tiles. Null: the fixed stride.
   unsigned* tile_counters = nullptr;
+  // Non-null: the experts' gate_up / down weights in the packed layouts (expert_layout.h, pack_expert_gate_up /
+  // pack_expert_down), each ring stage of those tiles one 1D bulk copy from here; the matching tensor map is then not
+  // read. Bitwise the same results (the stages land in shared memory byte for byte as the 2D boxes do).
+  const bf16* gate_up_packed = nullptr;
+  const bf16* down_packed = nullptr;
 };
+// Whether expert weights of these shapes have a packed layout (expert_layout.h): gate_up needs H and I multiples of
+// 64, down H a multiple of 128 and I of 64.
+bool expert_gate_up_packable(int H, int I);
+bool expert_down_packable(int H, int I);
+// The checkpoint layouts (gate_up [E, 2I, H], down [E, H, I]) -> packed [same size] (expert_layout.h). src and dst
+// must not overlap.
+void pack_expert_gate_up(const bf16* src, bf16* dst, int E, int H, int I, cudaStream_t s);
+void pack_expert_down(const bf16* src, bf16* dst, int E, int H, int I, cudaStream_t s);
 // Launched with PDL (launch.cuh): each block requests its first ring stages' weights (constants) before
 // griddepcontrol.wait, everything else after it. The weight buffers must not be written by the stream's preceding
 // kernels (they never are: they are the checkpoint's).
@@ -281,6 +294,10 @@ void moe_gate_up_padded_tma_masked(const TmaMap& w, const bf16* x, const unsigne
                                    int I, bf16* act, cudaStream_t s, const TmaExpertsPlan& plan = {});
 void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
                          cudaStream_t s, const TmaExpertsPlan& plan = {});
+// The same with each expert's row count from router_top_k's expert_masks of T tokens (min(tokens of e, 32), the
+// count moe_assign_padded gives), so that it needs no assignment kernel before it.
+void moe_down_padded_tma_masked(const TmaMap& w, const TmaMap& act, const unsigned* expert_masks, int T, int E, int H,
+                                int I, float* y, cudaStream_t s, const TmaExpertsPlan& plan = {});
 // gate_up (as moe_gate_up_padded_tma_masked) and down (as moe_down_padded_tma on its act) in one persistent launch:
 // the tiles of both come from one counter, gate_up's first, so blocks that run out of gate_up tiles go on to down
 // tiles instead of idling through gate_up's last round and the launch gap before a separate down GEMM. A down tile of
@@ -300,10 +317,11 @@ void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const vo
 //   y[r, :] = act[r] . Wd[e]^T                                                 Wd:  [E, H, I]  (f32 out)
 // expert_list (may be null): only the experts meta[1 .. meta[0]] of moe_group_padded (its overflow rows), run by
 // a small fixed grid whatever their number, instead of one block column per expert.
+// packed: Wgu / Wd in the packed layouts of pack_expert_gate_up / pack_expert_down (bitwise the same results).
 void moe_gate_up(const bf16* xs, const int32_t* offsets, int E, int P, const bf16* Wgu, int H, int I, bf16* act,
-                 cudaStream_t s, const int32_t* expert_list = nullptr);
+                 cudaStream_t s, const int32_t* expert_list = nullptr, bool packed = false);
 void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16* Wd, int H, int I, float* y,
-              cudaStream_t s, const int32_t* expert_list = nullptr);
+              cudaStream_t s, const int32_t* expert_list = nullptr, bool packed = false);
 // out[t] = sum over the token's k slots in ascending expert id of w[t, j] * y[sorted_pos[t*k + j]]   (f32)
 void moe_combine(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
                  float* out, cudaStream_t s);

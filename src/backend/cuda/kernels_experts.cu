@@ -29,6 +29,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/expert_layout.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/cuda_util.cuh"
 
@@ -54,9 +55,11 @@ constexpr int kMoeSmem = kMoeStages * kStageBytes > GM * LDC * 4 ? kMoeStages * 
 template <bool GATED>
 // expert_list != null: the block column walks the listed experts (list[0] of them, ids list[1..]) with stride
 // gridDim.y instead of taking expert blockIdx.y (the padded path's few overflow experts on a small grid).
+// packed: W in the packed layout (expert_layout.h): a block's 128 weight rows x 64 k of a stage are then one packed
+// stage, read chunk by chunk at expert_packed_in_stage.
 __global__ void __launch_bounds__(kGemmThreads, 2) moe_tiled_k(const bf16* X, const int32_t* offsets, const bf16* W,
                                                               int N, int K, bf16* act, float* y,
-                                                              const int32_t* expert_list) {
+                                                              const int32_t* expert_list, bool packed) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   extern __shared__ __align__(128) unsigned char smem[];
@@ -78,6 +81,9 @@ __global__ void __launch_bounds__(kGemmThreads, 2) moe_tiled_k(const bf16* X, co
       auto load_stage = [&](int st, int k0) {
         bf16* Xs = reinterpret_cast<bf16*>(smem + st * kStageBytes);
         bf16* Ws = Xs + GM * LDX;
+        // packed: this block's tile is tile blockIdx.x of expert e (gridDim.x tiles an expert), slice k0 / 64
+        const bf16* Wp =
+            W + ((size_t(e) * gridDim.x + blockIdx.x) * size_t(K / GK) + size_t(k0 / GK)) * kExpertPackedStageElems;
         for (int i = tid; i < m_rows * (GK / 8); i += kGemmThreads) {
           const int r = i / (GK / 8), c = i % (GK / 8), kc = k0 / 8 + c;
           const bool ok = r < m_valid && kc < kvec;
@@ -97,7 +103,10 @@ __global__ void __launch_bounds__(kGemmThreads, 2) moe_tiled_k(const bf16* X, co
             ok = wr < N;
           }
           ok = ok && kc < kvec;
-          cp_async16(Ws + r * LDX + c * 8, ok ? We + size_t(wr) * K + size_t(kc) * 8 : We, ok);
+          const bf16* src = !ok       ? We
+                            : packed ? Wp + expert_packed_in_stage(r, c * 8)
+                                     : We + size_t(wr) * K + size_t(kc) * 8;
+          cp_async16(Ws + r * LDX + c * 8, src, ok);
         }
       };
 
@@ -199,7 +208,8 @@ struct StreamCfg {
 // column of their weight rows at once.
 template <bool GATED, int GNI, int SK, int S, bool ROT>
 __global__ void __launch_bounds__(kStreamThreads, 1)
-    moe_stream_k(const bf16* X, const int32_t* offsets, int E, const bf16* W, int N, int K, bf16* act, float* y) {
+    moe_stream_k(const bf16* X, const int32_t* offsets, int E, const bf16* W, int N, int K, bf16* act, float* y,
+                 bool packed) {
   using C = StreamCfg<GNI, SK, S>;
   constexpr int LD = C::LD, NF = GNI / 32, NO = GATED ? GNI / 2 : GNI;  // NF: n8 fragments per warp
   extern __shared__ __align__(128) unsigned char smem[];
@@ -242,6 +252,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     }
     const int m_rows = (m_valid + 15) & ~15, kc0 = kt * (SK / 8);
     const bf16* We = W + size_t(e) * w_rows_total * K;
+    // packed (GNI 128, SK 64: launch_stream checks): the item's stage kt is packed stage item nk + kt
+    const bf16* Wp = W + (size_t(c.item) * size_t(nk) + size_t(kt)) * kExpertPackedStageElems;
     for (int i = tid; i < m_rows * (SK / 8); i += kStreamThreads) {
       const int r = i / (SK / 8), cc = i % (SK / 8), kc = kc0 + cc;
       const bool ok = r < m_valid && kc < kvec;
@@ -261,7 +273,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
         ok = wr < N;
       }
       ok = ok && kc < kvec;
-      cp_async16(Ws + r * LD + cc * 8, ok ? We + size_t(wr) * K + size_t(kc) * 8 : We, ok);
+      const bf16* src = !ok       ? We
+                        : packed ? Wp + expert_packed_in_stage(r, cc * 8)
+                                 : We + size_t(wr) * K + size_t(kc) * 8;
+      cp_async16(Ws + r * LD + cc * 8, src, ok);
     }
   };
 
@@ -372,8 +387,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 // (what moe_gate_up / moe_down use).
 template <bool GATED, int GNI, int SK, int S, bool ROT, bool PERSIST = true>
 void launch_stream(const bf16* X, const int32_t* offsets, int E, const bf16* W, int N, int K, bf16* act, float* y,
-                   cudaStream_t s) {
+                   cudaStream_t s, bool packed = false) {
   using C = StreamCfg<GNI, SK, S>;
+  if (packed && (GNI != 128 || SK != 64))
+    throw_cuda_error("moe_stream_k", "packed weights need 128-row x 64-k stages", 0, __FILE__, __LINE__);
   static int grid_per_sm = 0, n_sm = 0, smem_set = 0;  // one set per instantiation
   const int smem = C::smem(E);
   if (smem > smem_set) {
@@ -387,7 +404,7 @@ void launch_stream(const bf16* X, const int32_t* offsets, int E, const bf16* W, 
   }
   const int items = E * ((N + (GATED ? GNI / 2 : GNI) - 1) / (GATED ? GNI / 2 : GNI));
   const int grid = PERSIST ? std::min(items, grid_per_sm * n_sm) : items;
-  moe_stream_k<GATED, GNI, SK, S, ROT><<<grid, kStreamThreads, smem, s>>>(X, offsets, E, W, N, K, act, y);
+  moe_stream_k<GATED, GNI, SK, S, ROT><<<grid, kStreamThreads, smem, s>>>(X, offsets, E, W, N, K, act, y, packed);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -404,31 +421,39 @@ constexpr int kStreamMinAvgRows = 64;
 constexpr int kListBlocksY = 8;
 
 void moe_gate_up(const bf16* xs, const int32_t* offsets, int E, int P, const bf16* Wgu, int H, int I, bf16* act,
-                 cudaStream_t s, const int32_t* expert_list) {
+                 cudaStream_t s, const int32_t* expert_list, bool packed) {
   if (P == 0) return;
   if (H % 8 != 0) throw_cuda_error("moe_gate_up", "hidden size must be a multiple of 8", 0, __FILE__, __LINE__);
+  if (packed && !expert_gate_up_packable(H, I))
+    throw_cuda_error("moe_gate_up", "packed weights need H and I multiples of 64", 0, __FILE__, __LINE__);
   if (!expert_list && P >= kStreamMinAvgRows * E) {
-    launch_stream<true, kStreamGNI, kStreamSK, kStreamStages, kStreamRot, kStreamPersist>(xs, offsets, E, Wgu, I, H, act, nullptr, s);
+    launch_stream<true, kStreamGNI, kStreamSK, kStreamStages, kStreamRot, kStreamPersist>(xs, offsets, E, Wgu, I, H,
+                                                                                          act, nullptr, s, packed);
     return;
   }
   // One block column per expert, or a few walking the expert list.
   const dim3 grid((I + GN / 2 - 1) / (GN / 2), expert_list ? std::min(E, kListBlocksY) : E);
   raise_smem_limit<true>();
-  launch_pdl(moe_tiled_k<true>, dim3(grid), dim3(kGemmThreads), kMoeSmem, s, xs, offsets, Wgu, I, H, act, nullptr, expert_list);
+  launch_pdl(moe_tiled_k<true>, dim3(grid), dim3(kGemmThreads), kMoeSmem, s, xs, offsets, Wgu, I, H, act, nullptr,
+             expert_list, packed);
   CUDA_CHECK_LAUNCH();
 }
 
 void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16* Wd, int H, int I, float* y,
-              cudaStream_t s, const int32_t* expert_list) {
+              cudaStream_t s, const int32_t* expert_list, bool packed) {
   if (P == 0) return;
   if (I % 8 != 0) throw_cuda_error("moe_down", "expert width must be a multiple of 8", 0, __FILE__, __LINE__);
+  if (packed && !expert_down_packable(H, I))
+    throw_cuda_error("moe_down", "packed weights need H a multiple of 128 and I of 64", 0, __FILE__, __LINE__);
   if (!expert_list && P >= kStreamMinAvgRows * E) {
-    launch_stream<false, kStreamGNI, kStreamSK, kStreamStages, kStreamRot, kStreamPersist>(act, offsets, E, Wd, H, I, nullptr, y, s);
+    launch_stream<false, kStreamGNI, kStreamSK, kStreamStages, kStreamRot, kStreamPersist>(act, offsets, E, Wd, H, I,
+                                                                                           nullptr, y, s, packed);
     return;
   }
   const dim3 grid((H + GN - 1) / GN, expert_list ? std::min(E, kListBlocksY) : E);
   raise_smem_limit<false>();
-  launch_pdl(moe_tiled_k<false>, dim3(grid), dim3(kGemmThreads), kMoeSmem, s, act, offsets, Wd, H, I, nullptr, y, expert_list);
+  launch_pdl(moe_tiled_k<false>, dim3(grid), dim3(kGemmThreads), kMoeSmem, s, act, offsets, Wd, H, I, nullptr, y,
+             expert_list, packed);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -39,6 +39,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_util.cuh"
+#include "backend/cuda/expert_layout.h"
 #include "backend/cuda/hopper_tma.cuh"
 #include "backend/cuda/launch.cuh"
 
@@ -123,7 +124,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
                   int l2_prefetch_slices, const bf16* __restrict__ xg, const int32_t* __restrict__ slot_token,
-                  unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words) {
+                  unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
+                  const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
   static_assert(!FUSED || (GATED && GATHER), "the fused kernel is the gathered gate_up followed by down");
 #if defined(DG_EXPERTS_TMA)
@@ -152,6 +154,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto is_down = [&](int tile) { return FUSED && tile >= n_gate; };
   auto expert_of = [&](int tile) { return is_down(tile) ? (tile - n_gate) / down_tiles_n : tile / tiles_n; };
   auto slices_of = [&](int tile) { return is_down(tile) ? down_nk : nk; };
+  // Without GATHER: expert e's valid rows, rows[e] or (masks) its tokens capped at 32. warp: the calling warp's 32
+  // lanes all call (one mask word a lane), else one thread alone. After griddepcontrol.wait only.
+  auto rows_of = [&](int e, bool warp_wide) {
+    if (!masks) return int(__ldcg(rows + e));
+    int c = 0;
+    if (warp_wide) {
+      const int ln = int(threadIdx.x) & 31;
+      c = __reduce_add_sync(0xffffffffu,
+                            ln < mask_words ? __popc(__ldcg(masks + size_t(e) * mask_words + ln)) : 0);
+    } else {
+      for (int w = 0; w < mask_words; ++w) c += __popc(__ldcg(masks + size_t(e) * mask_words + w));
+    }
+    return c < kTok ? c : kTok;
+  };
   // The block's first tile is run whatever its expert's row count: its first stages' weights are requested before
   // the row counts may be read (below), so both roles must consume them. An empty expert's first tile then costs one
   // tile of wasted reads and math and stores nothing (cnt <= 0 in the epilogue). Later tiles of empty experts are
@@ -160,12 +176,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Ring uses 0 .. npre-1 (stage s = use) are the first tile's first stages, whose weights are requested before
   // griddepcontrol.wait.
   const int npre = first < n_tiles ? (nk < kStages ? nk : kStages) : 0;
-  // One stage's two weight boxes (k slice kt of the tile's rows row_a / row_b), after one arrive.expect_tx of `expect`
-  // bytes on its full barrier.
-  auto issue_weights = [&](uint32_t st, uint32_t full, int kt, int row_a, int row_b, uint32_t expect,
+  // The packed stage image (expert_layout.h) of k slice kt of tile `tile`, or null if those weights are not packed.
+  // Packed stages are in tile order: gate_up tiles (and a down kernel's) by their own index, the fused kernel's down
+  // tiles by their index among the down tiles.
+  auto packed_stage = [&](int tile, int kt) -> const bf16* {
+    const bool gate_tile = GATED && !(FUSED && tile >= n_gate);
+    const bf16* w = gate_tile ? gu_packed : dn_packed;
+    if (!w) return nullptr;
+    const int t = FUSED && !gate_tile ? tile - n_gate : tile, slices = FUSED && !gate_tile ? down_nk : nk;
+    return w + (size_t(t) * size_t(slices) + size_t(kt)) * kExpertPackedStageElems;
+  };
+  // One stage's weights (k slice kt of tile `tile`, rows row_a / row_b), after one arrive.expect_tx of `expect` bytes
+  // on its full barrier: two 2D boxes through the tensor map, or (packed weights) the stage's 16 KB image as one 1D
+  // bulk copy, which lands the same bytes in the same places.
+  auto issue_weights = [&](uint32_t st, uint32_t full, int tile, int kt, int row_a, int row_b, uint32_t expect,
                            uint64_t policy, bool down = false) {
-    const CUtensorMap* map = FUSED && down ? &tmX : &tmW;
     mbar_arrive_expect_tx(full, expect);
+    if (const bf16* src = packed_stage(tile, kt)) {
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
+          "%4;" ::"r"(st),
+          "l"(src), "r"(2 * kWBoxBytes), "r"(full), "l"(policy)
+          : "memory");
+      return;
+    }
+    const CUtensorMap* map = FUSED && down ? &tmX : &tmW;
     tma_load_2d(st, map, kt * kBK, row_a, full, policy);
     tma_load_2d(st + kWBoxBytes, map, kt * kBK, row_b, full, policy);
   };
@@ -185,7 +220,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       int row_a, row_b;
       weight_rows(first, row_a, row_b);
       for (int kt = 0; kt < npre; ++kt)
-        issue_weights(base + uint32_t(kt) * kStageBytes, full0 + 8 * kt, kt, row_a, row_b, kWBytes, evict_first);
+        issue_weights(base + uint32_t(kt) * kStageBytes, full0 + 8 * kt, first, kt, row_a, row_b, kWBytes,
+                      evict_first);
     }
     pdl_wait();  // the row counts and slot_token (the assign kernel) and xg (the pre-FFN norm) are final now
     uint32_t it = 0, pend = 0;
@@ -257,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
         if (!(tile == first && kt < npre)) {  // else: stage kt of the fresh ring, its weights already requested
           mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
-          if (leader) issue_weights(st, full, kt, row_a, row_b, kWBytes, evict_first, down);
+          if (leader) issue_weights(st, full, tile, kt, row_a, row_b, kWBytes, evict_first, down);
         }
         if (leader && kt == 0) {  // before the leader's lane arrival, which every phase of the stage waits for
           st_shared_s32(slot0 + 8 * s, tile);
@@ -362,11 +398,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       int row_a, row_b;
       weight_rows(first, row_a, row_b);
       for (int kt = 0; kt < npre; ++kt)
-        issue_weights(base + uint32_t(kt) * kStageBytes, full0 + 8 * kt, kt, row_a, row_b, kStageBytes, evict_first);
+        issue_weights(base + uint32_t(kt) * kStageBytes, full0 + 8 * kt, first, kt, row_a, row_b, kStageBytes,
+                      evict_first);
       // Optionally warm L2 with the next weight slices of the first tile (no shared memory, no barrier: a hint;
       // the ring loads of those slices below then hit L2). Also weights only.
       const int pf_end = npre + l2_prefetch_slices < nk ? npre + l2_prefetch_slices : nk;
       for (int kt = npre; kt < pf_end; ++kt) {
+        if (const bf16* src = packed_stage(first, kt)) {
+          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(2 * kWBoxBytes) : "memory");
+          continue;
+        }
         tma_prefetch_l2_2d(&tmW, kt * kBK, row_a);
         tma_prefetch_l2_2d(&tmW, kt * kBK, row_b);
       }
@@ -378,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t it = 0;  // stage use counter across tiles, as the consumer's
     for (int tile = first; tile < n_tiles; tile += int(gridDim.x)) {
       const int e = tile / tiles_n;
-      if (tile != first && __ldcg(rows + e) <= 0) continue;
+      if (tile != first && rows_of(e, false) <= 0) continue;
       int row_a, row_b;
       weight_rows(tile, row_a, row_b);
       for (int kt = 0; kt < nk; ++kt, ++it) {
@@ -390,7 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = int(it % kStages);
         mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);  // first round passes on the fresh barrier
         const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
-        issue_weights(st, full, kt, row_a, row_b, kStageBytes, evict_first);
+        issue_weights(st, full, tile, kt, row_a, row_b, kStageBytes, evict_first);
         tma_load_2d(st + 2 * kWBoxBytes, &tmX, kt * kBK, e * kTok, full, evict_normal);
       }
     }
@@ -415,7 +456,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       cnt = ld_shared_s32(slot0 + 8 * s + 4);
     } else {
       if (tile >= n_tiles) break;
-      cnt = __ldcg(rows + tile / tiles_n);  // .cg: L2, never a stale L1 / non-coherent line of a grid we overlapped
+      cnt = rows_of(tile / tiles_n, true);  // .cg: L2, never a stale L1 / non-coherent line of a grid we overlapped
       if (tile != first && cnt <= 0) {  // the first tile is consumed regardless (its stages were issued)
         tile += int(gridDim.x);
         continue;
@@ -505,6 +546,57 @@ bool experts_tma_supported(int M, int H, int I) {
   return ok;
 }
 
+bool expert_gate_up_packable(int H, int I) { return H > 0 && I > 0 && H % 64 == 0 && I % 64 == 0; }
+bool expert_down_packable(int H, int I) { return H > 0 && I > 0 && H % 128 == 0 && I % 64 == 0; }
+
+namespace {
+// One thread per 16-byte chunk of the checkpoint layout [E * 2I rows, H].
+__global__ void pack_expert_gate_up_k(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t chunks, int H,
+                                      int I) {
+  const int row_chunks = H / 8;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks; i += size_t(gridDim.x) * blockDim.x) {
+    const size_t row = i / size_t(row_chunks);
+    const int kc = int(i % size_t(row_chunks)), e = int(row / size_t(2 * I)), r = int(row % size_t(2 * I));
+    dst[expert_gate_up_packed_offset(e, r, kc * 8, H, I) / 8] = src[i];
+  }
+}
+// The same for down [E * H rows, I].
+__global__ void pack_expert_down_k(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t chunks, int H,
+                                   int I) {
+  const int row_chunks = I / 8;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks; i += size_t(gridDim.x) * blockDim.x) {
+    const size_t row = i / size_t(row_chunks);
+    const int kc = int(i % size_t(row_chunks)), e = int(row / size_t(H)), r = int(row % size_t(H));
+    dst[expert_down_packed_offset(e, r, kc * 8, H, I) / 8] = src[i];
+  }
+}
+}  // namespace
+
+void pack_expert_down(const bf16* src, bf16* dst, int E, int H, int I, cudaStream_t s) {
+  if (!expert_down_packable(H, I))
+    throw_cuda_error("pack_expert_down", "needs H a multiple of 128 and I of 64", 0, __FILE__, __LINE__);
+  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) != 0)
+    throw_cuda_error("pack_expert_down", "src and dst must be 16-byte aligned", 0, __FILE__, __LINE__);
+  const size_t chunks = size_t(E) * size_t(H) * size_t(I) / 8;
+  if (chunks == 0) return;
+  const unsigned grid = unsigned(std::min<size_t>((chunks + 255) / 256, size_t(sm_count()) * 16));
+  pack_expert_down_k<<<grid, 256, 0, s>>>(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), chunks,
+                                          H, I);
+  CUDA_CHECK_LAUNCH();
+}
+
+void pack_expert_gate_up(const bf16* src, bf16* dst, int E, int H, int I, cudaStream_t s) {
+  if (!expert_gate_up_packable(H, I))
+    throw_cuda_error("pack_expert_gate_up", "needs H and I multiples of 64", 0, __FILE__, __LINE__);
+  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) != 0)
+    throw_cuda_error("pack_expert_gate_up", "src and dst must be 16-byte aligned", 0, __FILE__, __LINE__);
+  const size_t chunks = size_t(E) * 2 * size_t(I) * size_t(H) / 8;
+  if (chunks == 0) return;
+  const unsigned grid = unsigned(std::min<size_t>((chunks + 255) / 256, size_t(sm_count()) * 16));
+  pack_expert_gate_up_k<<<grid, 256, 0, s>>>(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst),
+                                            chunks, H, I);
+  CUDA_CHECK_LAUNCH();
+}
 
 namespace {
 template <bool GATED, bool GATHER, bool FUSED = false>
@@ -513,6 +605,8 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
                         const int32_t* slot_token = nullptr, const unsigned* masks = nullptr, int mask_words = 0) {
   const int tiles = E * (GATED ? I / 64 : H / 128);
   if (tiles == 0) return;
+  if (((reinterpret_cast<uintptr_t>(plan.gate_up_packed) | reinterpret_cast<uintptr_t>(plan.down_packed)) & 15) != 0)
+    throw_cuda_error("experts_tma", "packed expert weights must be 16-byte aligned", 0, __FILE__, __LINE__);
   CUtensorMap mw, mx;
   std::memcpy(&mw, &w, sizeof mw);
   std::memcpy(&mx, &x, sizeof mx);
@@ -521,7 +615,8 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   // first stages' weights before griddepcontrol.wait (see the kernel).
   auto go = [&](auto kernel, int stages, int grid) {
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
-               act, y, pf, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks, mask_words);
+               act, y, pf, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks, mask_words,
+               GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;  // blocks that fit an SM's shared memory
@@ -591,6 +686,14 @@ void moe_gate_up_padded_tma_masked(const TmaMap& w, const bf16* x, const unsigne
 void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
                          cudaStream_t s, const TmaExpertsPlan& plan) {
   launch_experts_tma<false, false>(w, act, rows, E, H, I, nullptr, y, plan, s);
+}
+
+void moe_down_padded_tma_masked(const TmaMap& w, const TmaMap& act, const unsigned* expert_masks, int T, int E, int H,
+                                int I, float* y, cudaStream_t s, const TmaExpertsPlan& plan) {
+  if (T < 1 || T > 32 * 32)
+    throw_cuda_error("moe_down_padded_tma_masked", "needs 1 <= T <= 1024", 0, __FILE__, __LINE__);
+  launch_experts_tma<false, false>(w, act, nullptr, E, H, I, nullptr, y, plan, s, nullptr, nullptr, expert_masks,
+                                   (T + 31) / 32);
 }
 
 void moe_experts_fused_tma_masked(const TmaMap& w_gate_up, const TmaMap& w_down, const bf16* x,
