@@ -5,8 +5,9 @@
 // (cuBLASLt gate_up on Hopper too), DIFFGEMMA_TEST_TMA_EXPERTS_DOWN=1 with the TMA down kernel on as well,
 // DIFFGEMMA_TEST_NO_TMA_GATHER=1 with CudaOptions::tma_gather_rows off, DIFFGEMMA_TEST_STATIC_EXPERT_TILES=1 with
 // CudaOptions::dynamic_expert_tiles off, DIFFGEMMA_TEST_ROUTER_TC=1 with the router's partials on
-// the tensor cores (cuda::set_router_tensor_cores), DIFFGEMMA_TEST_FUSED_EXPERTS=1 with CudaOptions::fused_experts on,
-// so every path stays covered.
+// the tensor cores (cuda::set_router_tensor_cores), DIFFGEMMA_TEST_UNFUSED_EXPERTS=1 with CudaOptions::fused_experts
+// off, DIFFGEMMA_TEST_UNPACKED_EXPERTS=1 with CudaOptions::pack_expert_gate_up / pack_expert_down off, so every path
+// stays covered.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,7 +28,8 @@ inline dg::CudaOptions cuda_test_options() {
   o.tma_gather_rows = !flag("DIFFGEMMA_TEST_NO_TMA_GATHER");
   o.dynamic_expert_tiles = !flag("DIFFGEMMA_TEST_STATIC_EXPERT_TILES");
   if (flag("DIFFGEMMA_TEST_ROUTER_TC")) dg::cuda::set_router_tensor_cores(true);
-  o.fused_experts = flag("DIFFGEMMA_TEST_FUSED_EXPERTS");
+  o.fused_experts = !flag("DIFFGEMMA_TEST_UNFUSED_EXPERTS");
+  o.pack_expert_gate_up = o.pack_expert_down = !flag("DIFFGEMMA_TEST_UNPACKED_EXPERTS");
   static const bool said = [&] {
     if (!o.padded_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::padded_experts off (grouped experts)\n");
     if (!o.fused_router) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_router off (cuBLASLt router)\n");
@@ -36,7 +38,8 @@ inline dg::CudaOptions cuda_test_options() {
     if (!o.tma_gather_rows) std::fprintf(stderr, "[cuda tests] CudaOptions::tma_gather_rows off\n");
     if (!o.dynamic_expert_tiles) std::fprintf(stderr, "[cuda tests] CudaOptions::dynamic_expert_tiles off\n");
     if (flag("DIFFGEMMA_TEST_ROUTER_TC")) std::fprintf(stderr, "[cuda tests] router partials on the tensor cores\n");
-    if (o.fused_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_experts on\n");
+    if (!o.fused_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_experts off\n");
+    if (!o.pack_expert_gate_up) std::fprintf(stderr, "[cuda tests] expert weights unpacked (checkpoint layout)\n");
     return true;
   }();
   (void)said;

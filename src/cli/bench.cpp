@@ -43,8 +43,8 @@ struct BenchArgs {
   bool router_tc = false;
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
-  bool fused_experts = false;
-  bool no_pack_gate_up = false, pack_down = false;
+  bool no_fused_experts = false;
+  bool no_pack_gate_up = false, no_pack_down = false;
   int tma_l2_promotion = 256;  // CudaOptions::tma_weight_l2_promotion
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -111,9 +111,9 @@ int run_bench(const BenchArgs& args) {
   opt.dense_mlp_priority = args.dense_mlp_priority;
   opt.expert_sms = args.expert_sms;
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
-  opt.fused_experts = args.fused_experts;
+  opt.fused_experts = !args.no_fused_experts;
   opt.pack_expert_gate_up = !args.no_pack_gate_up;
-  opt.pack_expert_down = args.pack_down;
+  opt.pack_expert_down = !args.no_pack_down;
   opt.tma_weight_l2_promotion = args.tma_l2_promotion;
   opt.tma_experts_grid = args.tma_grid;
   opt.tma_experts_stages = args.tma_stages;
@@ -157,9 +157,9 @@ int run_bench(const BenchArgs& args) {
                                            : "padded: TMA + wgmma gate_up (PDL) where supported, cuBLASLt down";
   out["expert_sms"] = args.expert_sms;
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
-  out["fused_experts"] = args.fused_experts;
+  out["fused_experts"] = !args.no_fused_experts;
   out["pack_expert_gate_up"] = !args.no_pack_gate_up;
-  out["pack_expert_down"] = args.pack_down;
+  out["pack_expert_down"] = !args.no_pack_down;
   out["tma_l2_promotion"] = args.tma_l2_promotion;
   out["tma_gather_rows"] = !args.no_tma_gather;
   out["dynamic_expert_tiles"] = opt.dynamic_expert_tiles;
@@ -382,16 +382,16 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "L2 promotion in bytes (0, 128, 256) of the TMA expert kernels' weight maps "
                                       "(CudaOptions::tma_weight_l2_promotion)")
                            ->check(CLI::IsMember({0, 128, 256}));
-                       sub.add_flag("--fused-experts", a->fused_experts,
-                                    "A/B: gate_up and down in one persistent TMA launch instead of gate_up then "
-                                    "cuBLASLt's down GEMM (CudaOptions::fused_experts)");
+                       sub.add_flag("--no-fused-experts", a->no_fused_experts,
+                                    "A/B: gate_up then a separate down GEMM (cuBLASLt, or the TMA kernel on packed "
+                                    "weights) instead of one persistent TMA launch (CudaOptions::fused_experts)");
                        sub.add_flag("--no-pack-gate-up", a->no_pack_gate_up,
                                     "A/B: the experts' gate_up weights in the checkpoint layout, read by 2D "
                                     "tensor-map boxes, instead of packed stages read by 1D bulk copies "
                                     "(CudaOptions::pack_expert_gate_up)");
-                       sub.add_flag("--pack-down", a->pack_down,
-                                    "A/B: the experts' down weights packed too, down on the TMA kernel (or with "
-                                    "--fused-experts in the fused launch) by 1D bulk copies "
+                       sub.add_flag("--no-pack-down", a->no_pack_down,
+                                    "A/B: the experts' down weights in the checkpoint layout (2D tensor-map boxes "
+                                    "in the fused launch; cuBLASLt with --no-fused-experts) instead of packed "
                                     "(CudaOptions::pack_expert_down)");
                        sub.add_option("--tma-l2-prefetch", a->tma_l2_prefetch,
                                       "k slices of each TMA expert block's first weight tile prefetched into "

@@ -265,7 +265,7 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
     // The engine's weights are packed (CudaOptions::pack_expert_gate_up): one 1D bulk copy a ring stage.
     bf16* wgu_packed = ar.take<bf16>(size_t(E) * 2 * Ie * H);
     cuda::pack_expert_gate_up(wgu, wgu_packed, E, H, Ie, s);
-    add("gate_up TMA, tokens from the masks, tile counter, packed weights (engine)",
+    add("gate_up TMA, tokens from the masks, tile counter, packed weights",
         pad + ", " + std::to_string(2 * Ie) + "x" + std::to_string(H), gu_bytes, gu_flops, [=](cudaStream_t st) {
           cuda::moe_gate_up_padded_tma_masked(wgu_map, xe, masks, T, E, H, Ie, acte, st,
                                               {.tile_counters = tiles, .gate_up_packed = wgu_packed});
@@ -274,25 +274,25 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
         [=](cudaStream_t st) {
           cuda::moe_gate_up_padded_tma_masked(wgu_map, xe, masks, T, E, H, Ie, acte, st, {.tile_counters = tiles});
         });
-    add("gate_up + down fused TMA, packed gate_up (--fused-experts)", pad + ", one launch", gu_bytes + dn_bytes,
+    add("gate_up + down fused TMA, packed gate_up only (--no-pack-down)", pad + ", one launch", gu_bytes + dn_bytes,
         gu_flops + dn_flops, [=](cudaStream_t st) {
           cuda::moe_experts_fused_tma_masked(wgu_map, wdn_map, xe, masks, T, E, H, Ie, acte, y, st,
                                              {.tile_counters = tiles, .gate_up_packed = wgu_packed});
         });
     bf16* wdn_packed = ar.take<bf16>(size_t(E) * H * Ie);
     cuda::pack_expert_down(wdn, wdn_packed, E, H, Ie, s);
-    add("down TMA, packed weights, rows from the masks (--pack-down)", pad + ", " + std::to_string(H) + "x" +
+    add("down TMA, packed weights, rows from the masks (--no-fused-experts)", pad + ", " + std::to_string(H) + "x" +
         std::to_string(Ie), dn_bytes, dn_flops, [=](cudaStream_t st) {
           cuda::moe_down_padded_tma_masked(wdn_map, act_map, masks, T, E, H, Ie, y, st,
                                            {.down_packed = wdn_packed});
         });
-    add("gate_up + down fused TMA, both packed (--fused-experts --pack-down)", pad + ", one launch",
+    add("gate_up + down fused TMA, both packed (engine)", pad + ", one launch",
         gu_bytes + dn_bytes, gu_flops + dn_flops, [=](cudaStream_t st) {
           cuda::moe_experts_fused_tma_masked(
               wgu_map, wdn_map, xe, masks, T, E, H, Ie, acte, y, st,
               {.tile_counters = tiles, .gate_up_packed = wgu_packed, .down_packed = wdn_packed});
         });
-    add("gate_up TMA masked then down TMA masked, both packed (--pack-down)", pad + ", two launches",
+    add("gate_up TMA masked then down TMA masked, both packed (--no-fused-experts)", pad + ", two launches",
         gu_bytes + dn_bytes, gu_flops + dn_flops, [=](cudaStream_t st) {
           cuda::moe_gate_up_padded_tma_masked(wgu_map, xe, masks, T, E, H, Ie, acte, st,
                                               {.tile_counters = tiles, .gate_up_packed = wgu_packed});
@@ -325,7 +325,7 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
           cuda::moe_experts_fused_tma_masked(wgu_map0, wdn_map0, xe, masks, T, E, H, Ie, acte, y, st,
                                              {.tile_counters = tiles});
         });
-    add("gate_up TMA masked, packed, then cuBLASLt down (engine)", pad + ", two launches", gu_bytes + dn_bytes,
+    add("gate_up TMA masked, packed, then cuBLASLt down (--no-fused-experts --no-pack-down)", pad + ", two launches", gu_bytes + dn_bytes,
         gu_flops + dn_flops, [=, &gemm](cudaStream_t st) {
           cuda::moe_gate_up_padded_tma_masked(wgu_map, xe, masks, T, E, H, Ie, acte, st,
                                               {.tile_counters = tiles, .gate_up_packed = wgu_packed});
@@ -337,7 +337,7 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
         gemm.linear_batched(xs, Dt::BF16, M, wgu, Dt::BF16, 2 * Ie, H, y, Dt::F32, E, st);
         cuda::moe_gelu_mul_padded(y, E, M, Ie, meta, acte, st);
       });
-  add("down cuBLASLt strided-batched (engine)", pad + ", " + std::to_string(H) + "x" + std::to_string(Ie), dn_bytes,
+  add("down cuBLASLt strided-batched (--no-fused-experts --no-pack-down)", pad + ", " + std::to_string(H) + "x" + std::to_string(Ie), dn_bytes,
       dn_flops, [=, &gemm](cudaStream_t st) {
         gemm.linear_batched(acte, Dt::BF16, M, wdn, Dt::BF16, H, Ie, y, Dt::F32, E, st);
       });
@@ -376,7 +376,7 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
     if (cuda::expert_down_packable(H, Ie)) {
       bf16* wdn_p = ar.take<bf16>(size_t(E) * H * Ie);
       cuda::pack_expert_down(wdn, wdn_p, E, H, Ie, s);
-      add("moe_down grouped (prefill), packed weights (--pack-down)", gp,
+      add("moe_down grouped (prefill), packed weights (engine)", gp,
           dn_bytes + double(Tp) * K * (Ie * 2 + H * 4), 2.0 * Tp * K * H * Ie,
           [=](cudaStream_t st) { cuda::moe_down(actp, off, E, Tp * K, wdn_p, H, Ie, yp, st, nullptr, true); });
     }

@@ -108,10 +108,11 @@ struct CudaOptions {
   int tma_experts_grid = 0;
   int tma_experts_stages = 4;
   // With dynamic_expert_tiles and the masked gate_up: gate_up and down as one persistent TMA launch
-  // (cuda::moe_experts_fused_tma_masked) instead of gate_up then cuBLASLt's down GEMM. A/B: bench --fused-experts.
-  // Off: 15 us a layer faster on its own chain, but the side stream's dense down GEMM and the assignment then wait for
-  // its end, and the step was 0.05-0.2 ms slower (docs/BENCHMARKS.md, session 7).
-  bool fused_experts = false;
+  // (cuda::moe_experts_fused_tma_masked) instead of gate_up then cuBLASLt's down GEMM. A/B: bench --no-fused-experts.
+  // With the 2D-box weights it was 0.05-0.2 ms a step slower (the side stream's dense down GEMM and the assignment
+  // wait for its end; docs/BENCHMARKS.md, session 7); with both weight sets packed (below) it is 0.06-0.2 ms faster
+  // (369.9 vs 374.9 us a layer alone; session 10).
+  bool fused_experts = true;
   // L2 promotion (bytes: 0, 128, 256) of the TMA expert kernels' weight maps. A/B: bench --tma-l2-promotion. At 0
   // the TMA down kernel alone drops from 140.9 to 132.3 us (cuBLASLt's speed), gate_up rises 242.8 -> 247.8, and no
   // combination was faster per step than this default (docs/BENCHMARKS.md, session 8).
@@ -124,10 +125,11 @@ struct CudaOptions {
   // (prefill, overflow rows) read the packed layout too; a padded pass that cannot take the TMA path runs grouped
   // instead of cuBLASLt (which needs the checkpoint layout). Same results, bitwise. A/B: bench --no-pack-gate-up.
   bool pack_expert_gate_up = true;
-  // The same for the experts' down weights (weights option): the down GEMM of canvas passes then runs on the TMA
-  // kernel (as with tma_experts_down, its rows counted from the router's masks) or in the fused launch, never on
-  // cuBLASLt. A/B: bench --pack-down.
-  bool pack_expert_down = false;
+  // The same for the experts' down weights (weights option): the down GEMM of canvas passes then runs in the fused
+  // launch or on the TMA kernel (as with tma_experts_down, its rows counted from the router's masks), never on
+  // cuBLASLt. A/B: bench --no-pack-down. (On the separate TMA down kernel it is no faster than cuBLASLt's down GEMM:
+  // 130.8 vs 133.1 us alone, the step 0.05-0.15 ms slower; session 10.)
+  bool pack_expert_down = true;
   // Sparse SC soft embedding (approximate, off by default): a PreviousStep step sums p_i E[i, :] over each row's
   // survivors only (z_i >= max_z - 10, i.e. p_i >= e^-10 p_max; p_i the same bf16 values the exact path reads)
   // instead of the dense GEMM of the probs through the whole [V, H] table (~0.58 ms). The step falls back to the
