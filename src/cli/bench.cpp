@@ -42,7 +42,7 @@ struct BenchArgs {
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   bool router_tc = false;
   bool dense_mlp_priority = false;
-  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 4;
+  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = CudaOptions{}.tma_experts_stages;
   bool no_fused_experts = false;
   bool no_pack_gate_up = false, no_pack_down = false;
   int tma_l2_promotion = 256;  // CudaOptions::tma_weight_l2_promotion
@@ -398,7 +398,7 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "L2 before the PDL wait, beyond the ring's stages (0: none)")
                            ->check(CLI::NonNegativeNumber);
                        sub.add_option("--tma-grid", a->tma_grid,
-                                      "blocks of the TMA expert kernels (0: two per SM; CudaOptions::tma_experts_grid)")
+                                      "blocks of the TMA expert kernels (0: as many as fit on every SM; CudaOptions::tma_experts_grid)")
                            ->check(CLI::NonNegativeNumber);
                        sub.add_option("--tma-stages", a->tma_stages,
                                       "ring stages of the TMA expert kernels' blocks (CudaOptions::tma_experts_stages)")

@@ -105,8 +105,10 @@ struct CudaOptions {
   int tma_experts_l2_prefetch = 0;
   // With tma_experts (sms 0): the TMA kernels' grid (0: two blocks per SM) and ring stages (3, 4 or 5), for A/B
   // (bench --tma-grid / --tma-stages); cuda::TmaExpertsPlan explains them.
+  // With the packed weights, three 3-stage blocks an SM measured 0.04-0.1 ms a step faster than two of 4 stages
+  // (16.23-16.28 vs 16.32-16.36 ms, three calls; session 10); with the 2D boxes they were not (session 6).
   int tma_experts_grid = 0;
-  int tma_experts_stages = 4;
+  int tma_experts_stages = 3;
   // With dynamic_expert_tiles and the masked gate_up: gate_up and down as one persistent TMA launch
   // (cuda::moe_experts_fused_tma_masked) instead of gate_up then cuBLASLt's down GEMM. A/B: bench --no-fused-experts.
   // With the 2D-box weights it was 0.05-0.2 ms a step slower (the side stream's dense down GEMM and the assignment

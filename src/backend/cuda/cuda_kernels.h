@@ -248,8 +248,9 @@ struct TmaExpertsPlan {
   // > 0 (below the device's SM count): at most that many blocks, one per SM with an 8-stage ring, leaving the other
   // SMs to a concurrent stream (the dense MLP). 0: two blocks per SM.
   int sms = 0;
-  // With sms == 0: the grid (0: two blocks per SM, capped at the tile count). Blocks stride over the tiles, so a
-  // grid that divides the tile count evenly leaves no partly idle last round (gate_up at the real shape: 1408 tiles).
+  // With sms == 0: the grid (0: as many blocks as fit an SM's shared memory, three of 3 stages or two of 4 or 5, on
+  // every SM; capped at the tile count). Blocks stride over the tiles, so a grid that divides the tile count evenly
+  // leaves no partly idle last round (gate_up at the real shape: 1408 tiles).
   int grid = 0;
   // With sms == 0: ring stages per block, 3, 4 or 5 (two 5-stage or three 3-stage blocks fit an SM's shared memory;
   // with 3 stages the grid may be up to three blocks per SM).

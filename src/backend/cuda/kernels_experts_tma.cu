@@ -620,7 +620,7 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;  // blocks that fit an SM's shared memory
-    const int grid = std::min(tiles, plan.grid > 0 ? std::min(plan.grid, per_sm * sm_count()) : 2 * sm_count());
+    const int grid = std::min(tiles, plan.grid > 0 ? std::min(plan.grid, per_sm * sm_count()) : per_sm * sm_count());
     if (plan.stages == kStagesShared3)
       go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED>, kStagesShared3, grid);
     else if (plan.stages == kStagesShared5)
