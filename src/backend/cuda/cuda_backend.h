@@ -66,6 +66,9 @@ struct CudaOptions {
   // all (session 6); 0: all SMs.
   bool overlap_dense_mlp = true;
   int dense_mlp_sms = 66;
+  // With overlap_dense_mlp: the dense MLP's down GEMM queued on the side stream after the assignment and the overflow
+  // rows instead of before them (see CudaBackend::layer). A/B: bench --dense-down-first.
+  bool dense_down_last = true;
   // With overlap_dense_mlp: the side stream at the device's highest priority (kept in the decoder graph's kernel
   // nodes), so that the dense MLP's blocks are placed before the gate_up blocks still waiting for an SM, and its
   // second GEMM need not wait for gate_up's blocks to exit. A/B: bench --dense-mlp-priority.
