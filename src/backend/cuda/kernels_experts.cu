@@ -417,6 +417,11 @@ constexpr int kStreamMinAvgRows = 64;
 
 }  // namespace
 
+// Here rather than beside the packing kernels (kernels_experts_tma.cu): the grouped kernels' microbench includes this
+// file alone.
+bool expert_gate_up_packable(int H, int I) { return H > 0 && I > 0 && H % 64 == 0 && I % 64 == 0; }
+bool expert_down_packable(int H, int I) { return H > 0 && I > 0 && H % 128 == 0 && I % 64 == 0; }
+
 // Block columns for an expert list: a few overflow experts of a few rows each (the padded path's M is twice the mean).
 constexpr int kListBlocksY = 8;
 

@@ -546,8 +546,6 @@ bool experts_tma_supported(int M, int H, int I) {
   return ok;
 }
 
-bool expert_gate_up_packable(int H, int I) { return H > 0 && I > 0 && H % 64 == 0 && I % 64 == 0; }
-bool expert_down_packable(int H, int I) { return H > 0 && I > 0 && H % 128 == 0 && I % 64 == 0; }
 
 namespace {
 // One thread per 16-byte chunk of the checkpoint layout [E * 2I rows, H].
