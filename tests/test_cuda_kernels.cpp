@@ -473,6 +473,16 @@ TEST(CudaKernels, RouterTopKMasksAndAssignment) {
         EXPECT_EQ(gt[size_t(e) * M + s], i / k) << what << " slot_token of row " << r;
       }
     }
+    // the assignment on 256 and 32 threads (CudaOptions::narrow_assignment): the same rows, meta and slots
+    for (int threads : {256, 32}) {
+      Dev<int32_t> ovf_n(size_t(E) + 1), spos_n(pairs), meta_n(2 * size_t(E) + 1), slot_n(size_t(E) * M);
+      CUDA_CHECK(cudaMemcpy(slot_n.p, slot.p, slot.n * sizeof(int32_t), cudaMemcpyDeviceToDevice));
+      moe_assign_padded(idx.p, T, k, E, M, ovf_n.p, spos_n.p, meta_n.p, slot_n.p, nullptr, threads);
+      EXPECT_EQ(ovf_n.get(), go) << what << ", " << threads << " threads";
+      EXPECT_EQ(spos_n.get(), gs) << what << ", " << threads << " threads";
+      EXPECT_EQ(meta_n.get(), gm) << what << ", " << threads << " threads";
+      EXPECT_EQ(slot_n.get(), gt) << what << ", " << threads << " threads";
+    }
     run();  // bitwise repeatable, the rows too
     auto gl2 = logits.get();
     auto gw2 = w.get();

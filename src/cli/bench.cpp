@@ -44,7 +44,7 @@ struct BenchArgs {
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = CudaOptions{}.tma_experts_stages;
   bool no_fused_experts = false;
-  bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false;
+  bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, narrow_assignment = false;
   int tma_l2_promotion = 256;  // CudaOptions::tma_weight_l2_promotion
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -115,6 +115,7 @@ int run_bench(const BenchArgs& args) {
   opt.pack_expert_gate_up = !args.no_pack_gate_up;
   opt.pack_expert_down = !args.no_pack_down;
   opt.dense_down_last = !args.dense_down_first;
+  opt.narrow_assignment = args.narrow_assignment;
   opt.tma_weight_l2_promotion = args.tma_l2_promotion;
   opt.tma_experts_grid = args.tma_grid;
   opt.tma_experts_stages = args.tma_stages;
@@ -162,6 +163,7 @@ int run_bench(const BenchArgs& args) {
   out["pack_expert_gate_up"] = !args.no_pack_gate_up;
   out["pack_expert_down"] = !args.no_pack_down;
   out["dense_down_last"] = !args.dense_down_first;
+  out["narrow_assignment"] = args.narrow_assignment;
   out["tma_l2_promotion"] = args.tma_l2_promotion;
   out["tma_gather_rows"] = !args.no_tma_gather;
   out["dynamic_expert_tiles"] = opt.dynamic_expert_tiles;
@@ -394,6 +396,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--dense-down-first", a->dense_down_first,
                                     "A/B: the dense MLP's down GEMM queued on the side stream before the assignment "
                                     "and the overflow rows (CudaOptions::dense_down_last)");
+                       sub.add_flag("--narrow-assignment", a->narrow_assignment,
+                                    "A/B: the side stream's assignment as one 256-thread block, which fits beside "
+                                    "the expert kernel's blocks (CudaOptions::narrow_assignment)");
                        sub.add_flag("--no-pack-down", a->no_pack_down,
                                     "A/B: the experts' down weights in the checkpoint layout (2D tensor-map boxes "
                                     "in the fused launch; cuBLASLt with --no-fused-experts) instead of packed "

@@ -867,7 +867,10 @@ class CudaBackend final : public Backend {
     }
     if (padded) {
       auto assign = [&](cudaStream_t st) {
-        cuda::moe_assign_padded(s_.idx, T, K, E, M, s_.offsets, s_.sorted_pos, s_.moe_meta, s_.slot_token, st);
+        // Beside the expert kernel (masked, side stream): a block that fits next to its blocks' registers.
+        const int threads = masked && overlap && opt_.narrow_assignment ? 256 : 1024;
+        cuda::moe_assign_padded(s_.idx, T, K, E, M, s_.offsets, s_.sorted_pos, s_.moe_meta, s_.slot_token, st,
+                                threads);
       };
       if (masked) {
         if (!overlap) assign(stream_);  // else on the side stream, below

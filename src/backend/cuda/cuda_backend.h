@@ -69,6 +69,12 @@ struct CudaOptions {
   // With overlap_dense_mlp: the dense MLP's down GEMM queued on the side stream after the assignment and the overflow
   // rows instead of before them (see CudaBackend::layer). A/B: bench --dense-down-first.
   bool dense_down_last = true;
+  // With overlap_dense_mlp and the masked gate_up: the side stream's assignment (moe_assign_padded) as one block of
+  // 256 threads instead of 1024, so that it fits beside the expert kernel's blocks (their registers leave ~23K an SM)
+  // and runs while the experts stream instead of after them. Same results. A/B: bench --narrow-assignment.
+  // Off until measured: written at the end of session 10 from its profile (the 1024-thread block waited for the fused
+  // launch's end, ~19 us a layer with the overflow gather behind it), with no device time left to try it.
+  bool narrow_assignment = false;
   // With overlap_dense_mlp: the side stream at the device's highest priority (kept in the decoder graph's kernel
   // nodes), so that the dense MLP's blocks are placed before the gate_up blocks still waiting for an SM, and its
   // second GEMM need not wait for gate_up's blocks to exit. A/B: bench --dense-mlp-priority.

@@ -210,8 +210,10 @@ void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, in
 // moe_group_padded's first half (no gather). slot_token (E M ints, may be null): slot_token[e M + slot] = the token
 // of the pair in padded slot slot < rows of expert e (meta[1 + E + e]); other entries are left as they are. For
 // moe_gate_up_padded_tma_gathered, which reads the token rows from x itself.
+// threads: the single block's size (a multiple of 32, at most 1024); fewer lets it run beside a kernel that holds
+// most of every SM's registers (the fused TMA experts leave ~23K), at the same results.
 void moe_assign_padded(const int32_t* idx, int T, int k, int E, int M, int32_t* ovf_offsets, int32_t* sorted_pos,
-                       int32_t* meta, int32_t* slot_token, cudaStream_t s);
+                       int32_t* meta, int32_t* slot_token, cudaStream_t s, int threads = 1024);
 // act[r] = bf16(gelu_tanh(gu[r, 0:I]) * gu[r, I:2I]) for the padded rows that hold a pair (meta of
 // moe_group_padded); the padding rows of act are left as they are (nothing reads them).
 void moe_gelu_mul_padded(const float* gu, int E, int M, int I, const int32_t* meta, bf16* act, cudaStream_t s);

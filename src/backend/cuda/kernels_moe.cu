@@ -678,9 +678,11 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
 }
 
 void moe_assign_padded(const int32_t* idx, int T, int k, int E, int M, int32_t* ovf_offsets, int32_t* sorted_pos,
-                       int32_t* meta, int32_t* slot_token, cudaStream_t s) {
+                       int32_t* meta, int32_t* slot_token, cudaStream_t s, int threads) {
+  if (threads < 32 || threads > 1024 || threads % 32 != 0)
+    throw_cuda_error("moe_assign_padded", "threads must be a multiple of 32 in [32, 1024]", 0, __FILE__, __LINE__);
   const AssignLayout al = assign_layout(T, k, E);
-  launch_pdl(moe_assign_k, dim3(1), dim3(1024), al.bytes, s, idx, T, k, E, M, ovf_offsets, sorted_pos,
+  launch_pdl(moe_assign_k, dim3(1), dim3(unsigned(threads)), al.bytes, s, idx, T, k, E, M, ovf_offsets, sorted_pos,
              M > 0 ? meta : nullptr, M > 0 ? slot_token : nullptr, al.ordered, al.staged);
   CUDA_CHECK_LAUNCH();
 }
