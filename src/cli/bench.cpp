@@ -42,7 +42,7 @@ struct BenchArgs {
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   bool router_tc = false;
   bool dense_mlp_priority = false;
-  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = CudaOptions{}.tma_experts_stages;
+  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 3;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
   bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, narrow_assignment = false;
   int tma_l2_promotion = 256;  // CudaOptions::tma_weight_l2_promotion
