@@ -978,75 +978,60 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
   }
 }
 
-// pack_expert_gate_up: every weight lands where expert_gate_up_packed_offset says, the offsets of a layer are a
-// permutation of its elements (nothing overwritten, nothing left out), and within a stage the gate rows come before
-// the up rows with the 128-byte swizzle (chunk c of row r at c ^ (r % 8)). Shapes: one expert of one tile and slice,
-// several experts with several tiles and slices, and two experts at the real H / I.
-TEST(CudaKernels, PackExpertGateUp) {
+// Packs a layer of E experts x `rows` rows x `cols` columns (distinct-enough values) with `pack` and checks that every
+// weight lands where `offset(e, r, k)` says and that the offsets are a permutation (nothing overwritten, nothing left
+// out).
+template <class Pack, class Offset>
+void check_packed_layout(int E, int rows, int cols, Pack pack, Offset offset, const std::string& what) {
+  const size_t n = size_t(E) * rows * cols;
+  std::vector<uint16_t> src(n);
+  for (size_t i = 0; i < n; ++i) src[i] = uint16_t(i * 2654435761u >> 7);
+  Dev<bf16> dsrc(n), ddst(n);
+  CUDA_CHECK(cudaMemcpy(dsrc.p, src.data(), n * 2, cudaMemcpyHostToDevice));
+  pack(dsrc.p, ddst.p);
+  std::vector<uint16_t> dst(n);
+  CUDA_CHECK(cudaMemcpy(dst.data(), ddst.p, n * 2, cudaMemcpyDeviceToHost));
+  std::vector<uint8_t> hit(n, 0);
+  int64_t misplaced = 0, collisions = 0;
+  for (int e = 0; e < E; ++e)
+    for (int r = 0; r < rows; ++r)
+      for (int k = 0; k < cols; ++k) {
+        const size_t o = offset(e, r, k);
+        ASSERT_LT(o, n) << what;
+        collisions += hit[o]++ != 0;
+        misplaced += dst[o] != src[(size_t(e) * rows + r) * cols + k];
+      }
+  EXPECT_EQ(collisions, 0) << what;
+  EXPECT_EQ(misplaced, 0) << what;
+}
+
+// pack_expert_gate_up / pack_expert_down against expert_*_packed_offset (check_packed_layout), and the layout's
+// landmarks: within a stage the tile's first 64 rows (gate rows; down rows nt 128 ..) then its second 64 (the matching
+// up rows; down rows nt 128 + 64 ..), 128 B a row, chunk c of row r at c ^ (r % 8); the next k slice is the next
+// stage; the next tile follows all k slices of this one. Shapes: one tile and slice, several experts with several
+// tiles and slices, and two experts at the real H / I.
+TEST(CudaKernels, PackExpertWeights) {
   REQUIRE_GPU();
   EXPECT_FALSE(expert_gate_up_packable(2816, 88));
   EXPECT_FALSE(expert_gate_up_packable(96, 64));
-  for (auto [E, H, I] : {std::tuple{1, 64, 64}, std::tuple{3, 192, 128}, std::tuple{2, 2816, 704}}) {
-    ASSERT_TRUE(expert_gate_up_packable(H, I));
-    const size_t n = size_t(E) * 2 * I * H;
-    std::vector<uint16_t> src(n);
-    for (size_t i = 0; i < n; ++i) src[i] = uint16_t(i * 2654435761u >> 7);  // distinct enough to locate errors
-    Dev<bf16> dsrc(n), ddst(n);
-    CUDA_CHECK(cudaMemcpy(dsrc.p, src.data(), n * 2, cudaMemcpyHostToDevice));
-    pack_expert_gate_up(dsrc.p, ddst.p, E, H, I, nullptr);
-    std::vector<uint16_t> dst(n);
-    CUDA_CHECK(cudaMemcpy(dst.data(), ddst.p, n * 2, cudaMemcpyDeviceToHost));
-    std::vector<uint8_t> hit(n, 0);
-    int64_t misplaced = 0, collisions = 0;
-    for (int e = 0; e < E; ++e)
-      for (int r = 0; r < 2 * I; ++r)
-        for (int k = 0; k < H; ++k) {
-          const size_t o = expert_gate_up_packed_offset(e, r, k, H, I);
-          ASSERT_LT(o, n);
-          collisions += hit[o]++ != 0;
-          misplaced += dst[o] != src[(size_t(e) * 2 * I + r) * H + k];
-        }
-    EXPECT_EQ(collisions, 0) << "E " << E << " H " << H << " I " << I;
-    EXPECT_EQ(misplaced, 0) << "E " << E << " H " << H << " I " << I;
-    // stage 0: gate row 0 k 0..7 first; up row 0 (row I) 8 KB in; row 1 chunk 0 at chunk 1 (swizzle); the next k
-    // slice is the next stage; the next tile's gate rows come after all k slices of this tile
+  EXPECT_FALSE(expert_down_packable(192, 64));
+  for (auto [E, H, I] : {std::tuple{1, 128, 64}, std::tuple{3, 384, 192}, std::tuple{2, 2816, 704}}) {
+    ASSERT_TRUE(expert_gate_up_packable(H, I) && expert_down_packable(H, I));
+    const std::string what = "E " + std::to_string(E) + " H " + std::to_string(H) + " I " + std::to_string(I);
+    check_packed_layout(
+        E, 2 * I, H, [&](const bf16* s, bf16* d) { pack_expert_gate_up(s, d, E, H, I, nullptr); },
+        [&](int e, int r, int k) { return expert_gate_up_packed_offset(e, r, k, H, I); }, "gate_up, " + what);
+    check_packed_layout(
+        E, H, I, [&](const bf16* s, bf16* d) { pack_expert_down(s, d, E, H, I, nullptr); },
+        [&](int e, int r, int k) { return expert_down_packed_offset(e, r, k, H, I); }, "down, " + what);
     EXPECT_EQ(expert_gate_up_packed_offset(0, 0, 0, H, I), 0u);
     EXPECT_EQ(expert_gate_up_packed_offset(0, I, 0, H, I), 4096u);
     EXPECT_EQ(expert_gate_up_packed_offset(0, 1, 0, H, I), 64u + 8u);
-    if (H > 64) {
-      EXPECT_EQ(expert_gate_up_packed_offset(0, 0, 64, H, I), 8192u);
-    }
-    if (I > 64) {
-      EXPECT_EQ(expert_gate_up_packed_offset(0, 64, 0, H, I), 8192u * size_t(H / 64));
-    }
-  }
-  // down [E, H, I]: the same checks; a tile is 128 consecutive rows (rows 64-127 8 KB into the stage)
-  EXPECT_FALSE(expert_down_packable(192, 64));
-  for (auto [E, H, I] : {std::tuple{1, 128, 64}, std::tuple{3, 384, 192}, std::tuple{2, 2816, 704}}) {
-    ASSERT_TRUE(expert_down_packable(H, I));
-    const size_t n = size_t(E) * H * I;
-    std::vector<uint16_t> src(n);
-    for (size_t i = 0; i < n; ++i) src[i] = uint16_t(i * 2654435761u >> 7);
-    Dev<bf16> dsrc(n), ddst(n);
-    CUDA_CHECK(cudaMemcpy(dsrc.p, src.data(), n * 2, cudaMemcpyHostToDevice));
-    pack_expert_down(dsrc.p, ddst.p, E, H, I, nullptr);
-    std::vector<uint16_t> dst(n);
-    CUDA_CHECK(cudaMemcpy(dst.data(), ddst.p, n * 2, cudaMemcpyDeviceToHost));
-    std::vector<uint8_t> hit(n, 0);
-    int64_t misplaced = 0, collisions = 0;
-    for (int e = 0; e < E; ++e)
-      for (int r = 0; r < H; ++r)
-        for (int k = 0; k < I; ++k) {
-          const size_t o = expert_down_packed_offset(e, r, k, H, I);
-          ASSERT_LT(o, n);
-          collisions += hit[o]++ != 0;
-          misplaced += dst[o] != src[(size_t(e) * H + r) * I + k];
-        }
-    EXPECT_EQ(collisions, 0) << "down E " << E << " H " << H << " I " << I;
-    EXPECT_EQ(misplaced, 0) << "down E " << E << " H " << H << " I " << I;
+    EXPECT_EQ(expert_gate_up_packed_offset(0, 0, 64, H, I), 8192u);
     EXPECT_EQ(expert_down_packed_offset(0, 64, 0, H, I), 4096u);
     EXPECT_EQ(expert_down_packed_offset(0, 9, 8, H, I), 9u * 64 + 0u);  // chunk 1 of row 9 at chunk 1 ^ 1 = 0
     if (I > 64) {
+      EXPECT_EQ(expert_gate_up_packed_offset(0, 64, 0, H, I), 8192u * size_t(H / 64));
       EXPECT_EQ(expert_down_packed_offset(0, 0, 64, H, I), 8192u);
     }
     if (H > 128) {
