@@ -257,14 +257,22 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
   const double gu_bytes = double(E) * 2 * Ie * H * 2, dn_bytes = double(E) * H * Ie * 2;
   const double gu_flops = 2.0 * T * K * H * 2 * Ie, dn_flops = 2.0 * T * K * H * Ie;
   const std::string pad = std::to_string(E) + " experts x " + std::to_string(M) + " rows";
+  // Packed copies of the weights where the shapes allow (the engine's layout: CudaOptions::pack_expert_gate_up /
+  // pack_expert_down; one 1D bulk copy a ring stage in the TMA kernels). The TMA kernels' shapes always allow it.
+  bf16 *wgu_packed = nullptr, *wdn_packed = nullptr;
+  if (cuda::expert_gate_up_packable(H, Ie)) {
+    wgu_packed = ar.take<bf16>(size_t(E) * 2 * Ie * H);
+    cuda::pack_expert_gate_up(wgu, wgu_packed, E, H, Ie, s);
+  }
+  if (cuda::expert_down_packable(H, Ie)) {
+    wdn_packed = ar.take<bf16>(size_t(E) * H * Ie);
+    cuda::pack_expert_down(wdn, wdn_packed, E, H, Ie, s);
+  }
   if (cuda::experts_tma_supported(M, H, Ie)) {
     const cuda::TmaMap wgu_map = cuda::tma_map_bf16_rows(wgu, int64_t(E) * 2 * Ie, H, 64);
     const cuda::TmaMap wdn_map = cuda::tma_map_bf16_rows(wdn, int64_t(E) * H, Ie, 64);
     const cuda::TmaMap act_map = cuda::tma_map_bf16_rows(acte, int64_t(E) * M, Ie, M);
     const int32_t* valid = meta + 1 + E;
-    // The engine's weights are packed (CudaOptions::pack_expert_gate_up): one 1D bulk copy a ring stage.
-    bf16* wgu_packed = ar.take<bf16>(size_t(E) * 2 * Ie * H);
-    cuda::pack_expert_gate_up(wgu, wgu_packed, E, H, Ie, s);
     add("gate_up TMA, tokens from the masks, tile counter, packed weights",
         pad + ", " + std::to_string(2 * Ie) + "x" + std::to_string(H), gu_bytes, gu_flops, [=](cudaStream_t st) {
           cuda::moe_gate_up_padded_tma_masked(wgu_map, xe, masks, T, E, H, Ie, acte, st,
@@ -279,8 +287,6 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
           cuda::moe_experts_fused_tma_masked(wgu_map, wdn_map, xe, masks, T, E, H, Ie, acte, y, st,
                                              {.tile_counters = tiles, .gate_up_packed = wgu_packed});
         });
-    bf16* wdn_packed = ar.take<bf16>(size_t(E) * H * Ie);
-    cuda::pack_expert_down(wdn, wdn_packed, E, H, Ie, s);
     add("down TMA, packed weights, rows from the masks (--no-fused-experts)", pad + ", " + std::to_string(H) + "x" +
         std::to_string(Ie), dn_bytes, dn_flops, [=](cudaStream_t st) {
           cuda::moe_down_padded_tma_masked(wdn_map, act_map, masks, T, E, H, Ie, y, st,
@@ -364,21 +370,17 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
         [=](cudaStream_t st) { cuda::moe_group(didx, Tp, K, E, xp, H, off, sp2, xsp, st); });
     add("moe_gate_up grouped (prefill)", gp, gu_bytes + double(Tp) * K * (H + Ie) * 2, 2.0 * Tp * K * H * 2 * Ie,
         [=](cudaStream_t st) { cuda::moe_gate_up(xsp, off, E, Tp * K, wgu, H, Ie, actp, st); });
-    if (cuda::expert_gate_up_packable(H, Ie)) {
-      bf16* wgu_p = ar.take<bf16>(size_t(E) * 2 * Ie * H);
-      cuda::pack_expert_gate_up(wgu, wgu_p, E, H, Ie, s);
+    if (wgu_packed) {
       add("moe_gate_up grouped (prefill), packed weights (engine)", gp, gu_bytes + double(Tp) * K * (H + Ie) * 2,
           2.0 * Tp * K * H * 2 * Ie,
-          [=](cudaStream_t st) { cuda::moe_gate_up(xsp, off, E, Tp * K, wgu_p, H, Ie, actp, st, nullptr, true); });
+          [=](cudaStream_t st) { cuda::moe_gate_up(xsp, off, E, Tp * K, wgu_packed, H, Ie, actp, st, nullptr, true); });
     }
     add("moe_down grouped (prefill)", gp, dn_bytes + double(Tp) * K * (Ie * 2 + H * 4), 2.0 * Tp * K * H * Ie,
         [=](cudaStream_t st) { cuda::moe_down(actp, off, E, Tp * K, wdn, H, Ie, yp, st); });
-    if (cuda::expert_down_packable(H, Ie)) {
-      bf16* wdn_p = ar.take<bf16>(size_t(E) * H * Ie);
-      cuda::pack_expert_down(wdn, wdn_p, E, H, Ie, s);
+    if (wdn_packed) {
       add("moe_down grouped (prefill), packed weights (engine)", gp,
           dn_bytes + double(Tp) * K * (Ie * 2 + H * 4), 2.0 * Tp * K * H * Ie,
-          [=](cudaStream_t st) { cuda::moe_down(actp, off, E, Tp * K, wdn_p, H, Ie, yp, st, nullptr, true); });
+          [=](cudaStream_t st) { cuda::moe_down(actp, off, E, Tp * K, wdn_packed, H, Ie, yp, st, nullptr, true); });
     }
   }
 

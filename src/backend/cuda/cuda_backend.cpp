@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
@@ -154,27 +155,23 @@ class CudaWeights {
   void pack_experts(size_t scratch_bytes) {
     const int H = cfg_.hidden_size, Ie = cfg_.moe_intermediate_size, E = cfg_.num_experts;
     const size_t gu_bytes = size_t(E) * 2 * size_t(Ie) * size_t(H) * sizeof(bf16), dn_bytes = gu_bytes / 2;
-    bf16* tmp = nullptr;
-    CUDA_CHECK(cudaMalloc(&tmp, scratch_bytes));
-    try {
-      for (DevLayer& L : layers_) {
-        if (pack_gate_up_) {
-          CUDA_CHECK(cudaMemcpyAsync(tmp, L.exp_gu, gu_bytes, cudaMemcpyDeviceToDevice, stream_));
-          cuda::pack_expert_gate_up(tmp, L.exp_gu, E, H, Ie, stream_);
-          L.gu_packed = true;
-        }
-        if (pack_down_) {
-          CUDA_CHECK(cudaMemcpyAsync(tmp, L.exp_down, dn_bytes, cudaMemcpyDeviceToDevice, stream_));
-          cuda::pack_expert_down(tmp, L.exp_down, E, H, Ie, stream_);
-          L.dn_packed = true;
-        }
+    void* raw = nullptr;
+    CUDA_CHECK(cudaMalloc(&raw, scratch_bytes));
+    const std::unique_ptr<void, cudaError_t (*)(void*)> owner(raw, cudaFree);
+    bf16* tmp = static_cast<bf16*>(raw);
+    for (DevLayer& L : layers_) {
+      if (pack_gate_up_) {
+        CUDA_CHECK(cudaMemcpyAsync(tmp, L.exp_gu, gu_bytes, cudaMemcpyDeviceToDevice, stream_));
+        cuda::pack_expert_gate_up(tmp, L.exp_gu, E, H, Ie, stream_);
+        L.gu_packed = true;
       }
-      CUDA_CHECK(cudaStreamSynchronize(stream_));
-    } catch (...) {
-      cudaFree(tmp);
-      throw;
+      if (pack_down_) {
+        CUDA_CHECK(cudaMemcpyAsync(tmp, L.exp_down, dn_bytes, cudaMemcpyDeviceToDevice, stream_));
+        cuda::pack_expert_down(tmp, L.exp_down, E, H, Ie, stream_);
+        L.dn_packed = true;
+      }
     }
-    CUDA_CHECK(cudaFree(tmp));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));  // before the scratch is freed
   }
 
   void inv_freqs(DevLayer& L, std::vector<float>& f) {
@@ -835,10 +832,9 @@ class CudaBackend final : public Backend {
         .gate_up_packed = L.gu_packed ? L.exp_gu : nullptr,
         .down_packed = L.dn_packed ? L.exp_down : nullptr};
     if (overlap) {
-      // The dense MLP's down GEMM goes on the side stream last, after the assignment and the overflow rows (below):
-      // its blocks need more shared memory than the expert kernel leaves an SM, so it waits for that kernel's end
-      // anyway, while the assignment's small kernels run beside it (ahead of the down GEMM they would wait too:
-      // ~18 us a layer after the experts in session 10's first profile of the fused launch).
+      // CudaOptions::dense_down_last: the dense MLP's down GEMM goes on the side stream after the assignment and the
+      // overflow rows (below). Its blocks need more shared memory than the expert kernel leaves an SM, so it cannot
+      // start before that kernel ends; queued first, it held those kernels back behind it as well.
       CUDA_CHECK(cudaEventRecord(fork_, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
       gated_mlp_up_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, cfg_.intermediate_size);

@@ -82,8 +82,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) moe_tiled_k(const bf16* X, co
         bf16* Xs = reinterpret_cast<bf16*>(smem + st * kStageBytes);
         bf16* Ws = Xs + GM * LDX;
         // packed: this block's tile is tile blockIdx.x of expert e (gridDim.x tiles an expert), slice k0 / 64
-        const bf16* Wp =
-            W + ((size_t(e) * gridDim.x + blockIdx.x) * size_t(K / GK) + size_t(k0 / GK)) * kExpertPackedStageElems;
+        const bf16* Wp = W + expert_packed_stage(size_t(e) * gridDim.x + blockIdx.x, K / GK, k0 / GK);
         for (int i = tid; i < m_rows * (GK / 8); i += kGemmThreads) {
           const int r = i / (GK / 8), c = i % (GK / 8), kc = k0 / 8 + c;
           const bool ok = r < m_valid && kc < kvec;
@@ -253,7 +252,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     const int m_rows = (m_valid + 15) & ~15, kc0 = kt * (SK / 8);
     const bf16* We = W + size_t(e) * w_rows_total * K;
     // packed (GNI 128, SK 64: launch_stream checks): the item's stage kt is packed stage item nk + kt
-    const bf16* Wp = W + (size_t(c.item) * size_t(nk) + size_t(kt)) * kExpertPackedStageElems;
+    const bf16* Wp = W + expert_packed_stage(size_t(c.item), nk, kt);
     for (int i = tid; i < m_rows * (SK / 8); i += kStreamThreads) {
       const int r = i / (SK / 8), cc = i % (SK / 8), kc = kc0 + cc;
       const bool ok = r < m_valid && kc < kvec;

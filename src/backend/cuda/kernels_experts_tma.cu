@@ -183,8 +183,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool gate_tile = GATED && !(FUSED && tile >= n_gate);
     const bf16* w = gate_tile ? gu_packed : dn_packed;
     if (!w) return nullptr;
-    const int t = FUSED && !gate_tile ? tile - n_gate : tile, slices = FUSED && !gate_tile ? down_nk : nk;
-    return w + (size_t(t) * size_t(slices) + size_t(kt)) * kExpertPackedStageElems;
+    const bool fused_down = FUSED && !gate_tile;
+    return w + expert_packed_stage(size_t(fused_down ? tile - n_gate : tile), fused_down ? down_nk : nk, kt);
   };
   // One stage's weights (k slice kt of tile `tile`, rows row_a / row_b), after one arrive.expect_tx of `expect` bytes
   // on its full barrier: two 2D boxes through the tensor map, or (packed weights) the stage's 16 KB image as one 1D
@@ -546,54 +546,40 @@ bool experts_tma_supported(int M, int H, int I) {
   return ok;
 }
 
-
 namespace {
-// One thread per 16-byte chunk of the checkpoint layout [E * 2I rows, H].
-__global__ void pack_expert_gate_up_k(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t chunks, int H,
-                                      int I) {
-  const int row_chunks = H / 8;
+// One thread per 16-byte chunk of the checkpoint layout: gate_up [E * 2I rows, H] or (DOWN) down [E * H rows, I].
+template <bool DOWN>
+__global__ void pack_expert_k(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t chunks, int H, int I) {
+  const int rows = DOWN ? H : 2 * I, row_chunks = (DOWN ? I : H) / 8;
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks; i += size_t(gridDim.x) * blockDim.x) {
     const size_t row = i / size_t(row_chunks);
-    const int kc = int(i % size_t(row_chunks)), e = int(row / size_t(2 * I)), r = int(row % size_t(2 * I));
-    dst[expert_gate_up_packed_offset(e, r, kc * 8, H, I) / 8] = src[i];
+    const int kc = int(i % size_t(row_chunks)), e = int(row / size_t(rows)), r = int(row % size_t(rows));
+    dst[(DOWN ? expert_down_packed_offset(e, r, kc * 8, H, I) : expert_gate_up_packed_offset(e, r, kc * 8, H, I)) /
+        8] = src[i];
   }
 }
-// The same for down [E * H rows, I].
-__global__ void pack_expert_down_k(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t chunks, int H,
-                                   int I) {
-  const int row_chunks = I / 8;
-  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks; i += size_t(gridDim.x) * blockDim.x) {
-    const size_t row = i / size_t(row_chunks);
-    const int kc = int(i % size_t(row_chunks)), e = int(row / size_t(H)), r = int(row % size_t(H));
-    dst[expert_down_packed_offset(e, r, kc * 8, H, I) / 8] = src[i];
-  }
+
+template <bool DOWN>
+void pack_expert(const char* what, const bf16* src, bf16* dst, int E, int H, int I, cudaStream_t s) {
+  if (!(DOWN ? expert_down_packable(H, I) : expert_gate_up_packable(H, I)))
+    throw_cuda_error(what, DOWN ? "needs H a multiple of 128 and I of 64" : "needs H and I multiples of 64", 0,
+                     __FILE__, __LINE__);
+  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) != 0)
+    throw_cuda_error(what, "src and dst must be 16-byte aligned", 0, __FILE__, __LINE__);
+  const size_t chunks = size_t(E) * size_t(H) * size_t(I) * (DOWN ? 1 : 2) / 8;
+  if (chunks == 0) return;
+  const unsigned grid = unsigned(std::min<size_t>((chunks + 255) / 256, size_t(sm_count()) * 16));
+  pack_expert_k<DOWN><<<grid, 256, 0, s>>>(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), chunks,
+                                           H, I);
+  CUDA_CHECK_LAUNCH();
 }
 }  // namespace
 
-void pack_expert_down(const bf16* src, bf16* dst, int E, int H, int I, cudaStream_t s) {
-  if (!expert_down_packable(H, I))
-    throw_cuda_error("pack_expert_down", "needs H a multiple of 128 and I of 64", 0, __FILE__, __LINE__);
-  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) != 0)
-    throw_cuda_error("pack_expert_down", "src and dst must be 16-byte aligned", 0, __FILE__, __LINE__);
-  const size_t chunks = size_t(E) * size_t(H) * size_t(I) / 8;
-  if (chunks == 0) return;
-  const unsigned grid = unsigned(std::min<size_t>((chunks + 255) / 256, size_t(sm_count()) * 16));
-  pack_expert_down_k<<<grid, 256, 0, s>>>(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), chunks,
-                                          H, I);
-  CUDA_CHECK_LAUNCH();
-}
-
 void pack_expert_gate_up(const bf16* src, bf16* dst, int E, int H, int I, cudaStream_t s) {
-  if (!expert_gate_up_packable(H, I))
-    throw_cuda_error("pack_expert_gate_up", "needs H and I multiples of 64", 0, __FILE__, __LINE__);
-  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) != 0)
-    throw_cuda_error("pack_expert_gate_up", "src and dst must be 16-byte aligned", 0, __FILE__, __LINE__);
-  const size_t chunks = size_t(E) * 2 * size_t(I) * size_t(H) / 8;
-  if (chunks == 0) return;
-  const unsigned grid = unsigned(std::min<size_t>((chunks + 255) / 256, size_t(sm_count()) * 16));
-  pack_expert_gate_up_k<<<grid, 256, 0, s>>>(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst),
-                                            chunks, H, I);
-  CUDA_CHECK_LAUNCH();
+  pack_expert<false>("pack_expert_gate_up", src, dst, E, H, I, s);
+}
+void pack_expert_down(const bf16* src, bf16* dst, int E, int H, int I, cudaStream_t s) {
+  pack_expert<true>("pack_expert_down", src, dst, E, H, I, s);
 }
 
 namespace {
