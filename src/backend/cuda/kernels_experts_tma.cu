@@ -204,6 +204,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     tma_load_2d(st, map, kt * kBK, row_a, full, policy);
     tma_load_2d(st + kWBoxBytes, map, kt * kBK, row_b, full, policy);
   };
+  // Warms L2 with the first tile's weight slices [npre, npre + l2_prefetch_slices) before griddepcontrol.wait (no
+  // shared memory, no barrier: a hint; the ring's loads of those slices then hit L2). Weights only.
+  auto prefetch_first_tile = [&](int row_a, int row_b) {
+    const int pf_end = npre + l2_prefetch_slices < nk ? npre + l2_prefetch_slices : nk;
+    for (int kt = npre; kt < pf_end; ++kt) {
+      if (const bf16* src = packed_stage(first, kt)) {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(2 * kWBoxBytes) : "memory");
+        continue;
+      }
+      tma_prefetch_l2_2d(&tmW, kt * kBK, row_a);
+      tma_prefetch_l2_2d(&tmW, kt * kBK, row_b);
+    }
+  };
 
   // The GATHER producer (all 32 lanes of warp 4; see above the kernel). Lane 0 also issues the weight boxes.
   auto produce_gathered = [&](int ln) {
@@ -222,6 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 0; kt < npre; ++kt)
         issue_weights(base + uint32_t(kt) * kStageBytes, full0 + 8 * kt, first, kt, row_a, row_b, kWBytes,
                       evict_first);
+      prefetch_first_tile(row_a, row_b);
     }
     pdl_wait();  // the row counts and slot_token (the assign kernel) and xg (the pre-FFN norm) are final now
     uint32_t it = 0, pend = 0;
@@ -400,17 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 0; kt < npre; ++kt)
         issue_weights(base + uint32_t(kt) * kStageBytes, full0 + 8 * kt, first, kt, row_a, row_b, kStageBytes,
                       evict_first);
-      // Optionally warm L2 with the next weight slices of the first tile (no shared memory, no barrier: a hint;
-      // the ring loads of those slices below then hit L2). Also weights only.
-      const int pf_end = npre + l2_prefetch_slices < nk ? npre + l2_prefetch_slices : nk;
-      for (int kt = npre; kt < pf_end; ++kt) {
-        if (const bf16* src = packed_stage(first, kt)) {
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(2 * kWBoxBytes) : "memory");
-          continue;
-        }
-        tma_prefetch_l2_2d(&tmW, kt * kBK, row_a);
-        tma_prefetch_l2_2d(&tmW, kt * kBK, row_b);
-      }
+      prefetch_first_tile(row_a, row_b);
     }
 
     // ---- the predecessor has completed and its writes are visible (to this thread's TMA reads too) ----
@@ -583,6 +587,29 @@ void pack_expert_down(const bf16* src, bf16* dst, int E, int H, int I, cudaStrea
 }
 
 namespace {
+// The grid of a launch that shares every SM (plan.sms <= 0): the blocks that fit an SM's shared memory on every SM,
+// or plan.grid, capped at the tile count. Block b's first tile is tile b.
+int shared_sm_grid(const TmaExpertsPlan& plan, int tiles) {
+  const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;
+  return std::min(tiles, plan.grid > 0 ? std::min(plan.grid, per_sm * sm_count()) : per_sm * sm_count());
+}
+
+// One packed stage (16 KB) a thread: stages [s0, s0 + ns) of gate_up tiles [0, tiles) into L2.
+__global__ void experts_l2_prefetch_k(const bf16* __restrict__ gu_packed, int tiles, int nk, int s0, int ns,
+                                      bool evict_last) {
+  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= tiles * ns) return;
+  uint64_t policy;
+  if (evict_last)
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  else
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+  const bf16* src = gu_packed + expert_packed_stage(size_t(i / ns), nk, s0 + i % ns);
+  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(src),
+               "r"(kExpertPackedStageElems * 2), "l"(policy)
+               : "memory");
+}
+
 template <bool GATED, bool GATHER, bool FUSED = false>
 void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, int E, int H, int I, bf16* act,
                         float* y, const TmaExpertsPlan& plan, cudaStream_t s, const bf16* xg = nullptr,
@@ -603,8 +630,7 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
                GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
-    const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;  // blocks that fit an SM's shared memory
-    const int grid = std::min(tiles, plan.grid > 0 ? std::min(plan.grid, per_sm * sm_count()) : per_sm * sm_count());
+    const int grid = shared_sm_grid(plan, tiles);
     if (plan.stages == kStagesShared3)
       go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED>, kStagesShared3, grid);
     else if (plan.stages == kStagesShared5)
@@ -702,6 +728,17 @@ void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const vo
              static_cast<unsigned char*>(dst0), bytes0, static_cast<const unsigned char*>(src1),
              static_cast<unsigned char*>(dst1), bytes1,
              static_cast<unsigned long long>(std::max(0, delay_us)) * 1000ull);
+}
+
+void moe_experts_l2_prefetch(const TmaExpertsPlan& plan, int E, int H, int I, int stages, bool evict_last,
+                             cudaStream_t s) {
+  if (!plan.gate_up_packed || stages <= 0 || plan.sms > 0) return;
+  const int tiles = shared_sm_grid(plan, E * (I / 64)), nk = H / kBK;
+  const int s0 = std::min(nk, plan.stages), ns = std::min(stages, nk - s0);
+  if (ns <= 0 || tiles <= 0) return;
+  const int n = tiles * ns;
+  experts_l2_prefetch_k<<<unsigned((n + 255) / 256), 256, 0, s>>>(plan.gate_up_packed, tiles, nk, s0, ns, evict_last);
+  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace dg::cuda
