@@ -45,8 +45,6 @@ struct BenchArgs {
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 3;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
   bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false;
-  bool cublas_dense_down = false, expert_l2_prefetch_last = false;
-  int expert_l2_prefetch = 0;
   int tma_l2_promotion = 256;  // CudaOptions::tma_weight_l2_promotion
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -118,9 +116,6 @@ int run_bench(const BenchArgs& args) {
   opt.pack_expert_down = !args.no_pack_down;
   opt.dense_down_last = !args.dense_down_first;
   opt.narrow_assignment = !args.wide_assignment;
-  opt.narrow_dense_down = !args.cublas_dense_down;
-  opt.expert_l2_prefetch = args.expert_l2_prefetch;
-  opt.expert_l2_prefetch_evict_last = args.expert_l2_prefetch_last;
   opt.tma_weight_l2_promotion = args.tma_l2_promotion;
   opt.tma_experts_grid = args.tma_grid;
   opt.tma_experts_stages = args.tma_stages;
@@ -169,9 +164,6 @@ int run_bench(const BenchArgs& args) {
   out["pack_expert_down"] = !args.no_pack_down;
   out["dense_down_last"] = !args.dense_down_first;
   out["narrow_assignment"] = !args.wide_assignment;
-  out["narrow_dense_down"] = !args.cublas_dense_down;
-  out["expert_l2_prefetch"] = args.expert_l2_prefetch;
-  out["expert_l2_prefetch_last"] = args.expert_l2_prefetch_last;
   out["tma_l2_promotion"] = args.tma_l2_promotion;
   out["tma_gather_rows"] = !args.no_tma_gather;
   out["dynamic_expert_tiles"] = opt.dynamic_expert_tiles;
@@ -407,9 +399,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--wide-assignment", a->wide_assignment,
                                     "A/B: the side stream's assignment as one 1024-thread block, which waits for "
                                     "the expert kernel's end (CudaOptions::narrow_assignment off)");
-                       sub.add_flag("--cublas-dense-down", a->cublas_dense_down,
-                                    "A/B: the dense MLP's down projection by cuBLASLt, which waits for the expert "
-                                    "kernel's end (CudaOptions::narrow_dense_down off)");
                        sub.add_flag("--no-pack-down", a->no_pack_down,
                                     "A/B: the experts' down weights in the checkpoint layout (2D tensor-map boxes "
                                     "in the fused launch; cuBLASLt with --no-fused-experts) instead of packed "
@@ -418,14 +407,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "k slices of each TMA expert block's first weight tile prefetched into "
                                       "L2 before the PDL wait, beyond the ring's stages (0: none)")
                            ->check(CLI::NonNegativeNumber);
-                       sub.add_option("--expert-l2-prefetch", a->expert_l2_prefetch,
-                                      "gate_up stages of each fused expert block's first tile prefetched into L2 "
-                                      "by the side stream when the layer forks (CudaOptions::expert_l2_prefetch; "
-                                      "0: none)")
-                           ->check(CLI::NonNegativeNumber);
-                       sub.add_flag("--expert-l2-prefetch-last", a->expert_l2_prefetch_last,
-                                    "with --expert-l2-prefetch: at L2's evict_last priority "
-                                    "(CudaOptions::expert_l2_prefetch_evict_last)");
                        sub.add_option("--tma-grid", a->tma_grid,
                                       "blocks of the TMA expert kernels (0: as many as fit on every SM; CudaOptions::tma_experts_grid)")
                            ->check(CLI::NonNegativeNumber);

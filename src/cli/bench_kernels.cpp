@@ -198,10 +198,6 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
   add("GEMM dense down", std::to_string(T) + "x" + std::to_string(Id) + " . " + std::to_string(H) + "x" +
       std::to_string(Id) + "^T", 2.0 * (double(H) * Id + double(T) * (Id + H)), 2.0 * T * H * Id,
       [=, &gemm](cudaStream_t st) { gemm.linear(actd, Dt::BF16, T, ddn, Dt::BF16, H, Id, m1, Dt::BF16, st); });
-  if (cuda::gemm_narrow_supported(H, Id))
-    add("GEMM dense down, narrow blocks (engine: beside the experts)", std::to_string(T) + "x" + std::to_string(Id) +
-        " . " + std::to_string(H) + "x" + std::to_string(Id) + "^T", 2.0 * (double(H) * Id + double(T) * (Id + H)),
-        2.0 * T * H * Id, [=](cudaStream_t st) { cuda::gemm_bf16_narrow(actd, T, ddn, H, Id, m1, st); });
 
   // ---- router and assignment ----
   const int M = cuda::moe_padded_rows_per_expert(T, K, E);

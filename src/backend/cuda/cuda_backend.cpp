@@ -831,22 +831,14 @@ class CudaBackend final : public Backend {
         .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr,
         .gate_up_packed = L.gu_packed ? L.exp_gu : nullptr,
         .down_packed = L.dn_packed ? L.exp_down : nullptr};
-    // CudaOptions::narrow_dense_down: the dense down projection in blocks that fit beside the expert kernel's.
-    const bool narrow_dense_down = overlap && masked && opt_.narrow_dense_down &&
-                                   cuda::gemm_narrow_supported(H, cfg_.intermediate_size);
     if (overlap) {
       // CudaOptions::dense_down_last: the dense MLP's down GEMM goes on the side stream after the assignment and the
       // overflow rows (below). Its blocks need more shared memory than the expert kernel leaves an SM, so it cannot
       // start before that kernel ends; queued first, it held those kernels back behind it as well.
       CUDA_CHECK(cudaEventRecord(fork_, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
-      if (fused_experts && opt_.expert_l2_prefetch > 0)
-        cuda::moe_experts_l2_prefetch(plan, E, H, Ie, opt_.expert_l2_prefetch, opt_.expert_l2_prefetch_evict_last,
-                                      side_);
       gated_mlp_up_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, cfg_.intermediate_size);
-      if (narrow_dense_down)
-        cuda::gemm_bf16_narrow(s_.actd, T, L.dense_down, H, cfg_.intermediate_size, s_.m1, side_);
-      else if (!opt_.dense_down_last)
+      if (!opt_.dense_down_last)
         gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
     } else {
       gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
@@ -944,8 +936,7 @@ class CudaBackend final : public Backend {
       mark(kStDown);
     }
     if (overlap) {
-      if (opt_.dense_down_last && !narrow_dense_down)
-        gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
+      if (opt_.dense_down_last) gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
       CUDA_CHECK(cudaEventRecord(join_, side_));
       CUDA_CHECK(cudaStreamWaitEvent(stream_, join_));
     }

@@ -74,10 +74,6 @@ struct CudaOptions {
   // and runs while the experts stream instead of after them. Same results. H200, 4K step (docs/BENCHMARKS.md,
   // session 11): 16.26 / 16.23 against 16.46 / 16.45 ms. A/B: bench --wide-assignment.
   bool narrow_assignment = true;
-  // With overlap_dense_mlp and the masked gate_up: the dense MLP's down projection by gemm_bf16_narrow (small blocks
-  // that fit beside the expert kernel's, kernels_gemm_narrow.cu) right after its gate_up, instead of cuBLASLt, whose
-  // blocks cannot start before the expert kernel ends. A/B: bench --cublas-dense-down.
-  bool narrow_dense_down = true;
   // With overlap_dense_mlp: the side stream at the device's highest priority (kept in the decoder graph's kernel
   // nodes), so that the dense MLP's blocks are placed before the gate_up blocks still waiting for an SM, and its
   // second GEMM need not wait for gate_up's blocks to exit. A/B: bench --dense-mlp-priority.
@@ -115,13 +111,6 @@ struct CudaOptions {
   // With tma_experts: each block of the TMA expert kernels also prefetches this many further 64-wide k slices of its
   // first tile's weights into L2 before its griddepcontrol.wait (bench --tma-l2-prefetch; 0 = none).
   int tma_experts_l2_prefetch = 0;
-  // With the fused expert launch on packed gate_up weights: > 0 has the side stream, as soon as the layer forks
-  // (before the dense MLP), warm L2 with this many further gate_up stages of each expert block's first tile
-  // (cuda::moe_experts_l2_prefetch), ~23 us before the experts may start, while the router reads almost nothing.
-  // expert_l2_prefetch_evict_last: at L2's high retention priority. A/B: bench --expert-l2-prefetch N
-  // [--expert-l2-prefetch-last]; 0 = none.
-  int expert_l2_prefetch = 0;
-  bool expert_l2_prefetch_evict_last = false;
   // With tma_experts (sms 0): the TMA kernels' grid (0: two blocks per SM) and ring stages (3, 4 or 5), for A/B
   // (bench --tma-grid / --tma-stages); cuda::TmaExpertsPlan explains them.
   // With the packed weights, three 3-stage blocks an SM measured 0.04-0.1 ms a step faster than two of 4 stages

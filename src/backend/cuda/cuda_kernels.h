@@ -36,11 +36,6 @@ void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, con
                  const float* w, float eps, float scalar, cudaStream_t s);
 // act[r, i] = gelu_tanh(gu[r, i]) * gu[r, I + i]   (gu: [rows, 2I])
 void gelu_mul(const bf16* gu, int rows, int I, bf16* act, cudaStream_t s);
-// C[T, N] = A[T, K] W[N, K]^T (bf16, f32 sums, bf16 out) in blocks small enough to run beside the fused expert
-// launch (kernels_gemm_narrow.cu): the dense MLP's down projection while the experts stream. Needs
-// gemm_narrow_supported(N, K) and 16-byte aligned pointers.
-bool gemm_narrow_supported(int N, int K);
-void gemm_bf16_narrow(const bf16* A, int T, const bf16* W, int N, int K, bf16* C, cudaStream_t s);
 // h += a (f32), used for the SC signal: e += sc
 void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s);
 
@@ -275,12 +270,6 @@ struct TmaExpertsPlan {
   const bf16* gate_up_packed = nullptr;
   const bf16* down_packed = nullptr;
 };
-// Warms L2 with the weights moe_experts_fused_tma_masked(..., plan) reads first: gate_up stages [plan.stages,
-// plan.stages + stages) of each block's first tile (the ring's first plan.stages are requested by the kernel itself
-// before its griddepcontrol.wait). Packed gate_up weights and a launch sharing every SM only (else nothing). A hint:
-// no result depends on it. evict_last: the lines at the L2's high retention priority instead of the normal one.
-void moe_experts_l2_prefetch(const TmaExpertsPlan& plan, int E, int H, int I, int stages, bool evict_last,
-                             cudaStream_t s);
 // Whether expert weights of these shapes have a packed layout (expert_layout.h): gate_up needs H and I multiples of
 // 64, down H a multiple of 128 and I of 64.
 bool expert_gate_up_packable(int H, int I);

@@ -594,22 +594,6 @@ int shared_sm_grid(const TmaExpertsPlan& plan, int tiles) {
   return std::min(tiles, plan.grid > 0 ? std::min(plan.grid, per_sm * sm_count()) : per_sm * sm_count());
 }
 
-// One packed stage (16 KB) a thread: stages [s0, s0 + ns) of gate_up tiles [0, tiles) into L2.
-__global__ void experts_l2_prefetch_k(const bf16* __restrict__ gu_packed, int tiles, int nk, int s0, int ns,
-                                      bool evict_last) {
-  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
-  if (i >= tiles * ns) return;
-  uint64_t policy;
-  if (evict_last)
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  else
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
-  const bf16* src = gu_packed + expert_packed_stage(size_t(i / ns), nk, s0 + i % ns);
-  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(src),
-               "r"(kExpertPackedStageElems * 2), "l"(policy)
-               : "memory");
-}
-
 template <bool GATED, bool GATHER, bool FUSED = false>
 void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, int E, int H, int I, bf16* act,
                         float* y, const TmaExpertsPlan& plan, cudaStream_t s, const bf16* xg = nullptr,
@@ -728,17 +712,6 @@ void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const vo
              static_cast<unsigned char*>(dst0), bytes0, static_cast<const unsigned char*>(src1),
              static_cast<unsigned char*>(dst1), bytes1,
              static_cast<unsigned long long>(std::max(0, delay_us)) * 1000ull);
-}
-
-void moe_experts_l2_prefetch(const TmaExpertsPlan& plan, int E, int H, int I, int stages, bool evict_last,
-                             cudaStream_t s) {
-  if (!plan.gate_up_packed || stages <= 0 || plan.sms > 0) return;
-  const int tiles = shared_sm_grid(plan, E * (I / 64)), nk = H / kBK;
-  const int s0 = std::min(nk, plan.stages), ns = std::min(stages, nk - s0);
-  if (ns <= 0 || tiles <= 0) return;
-  const int n = tiles * ns;
-  experts_l2_prefetch_k<<<unsigned((n + 255) / 256), 256, 0, s>>>(plan.gate_up_packed, tiles, nk, s0, ns, evict_last);
-  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace dg::cuda

@@ -175,11 +175,31 @@ __global__ void __launch_bounds__(kVecThreads) add_rms_norm_vec_k(float* h, cons
   }
 }
 
+// The pre-FFN norms' weights of this thread's quads, loaded up front (constants: add_rms_norm_pre_ffn_vec_k reads
+// them before its griddepcontrol.wait, off the critical path).
+template <int NV>
+struct FfnWeights {
+  float4 pre[NV], pre2[NV], rs[NV];
+};
+template <int NV>
+__device__ __forceinline__ FfnWeights<NV> load_ffn_weights(const float* w_pre, const float* w_pre2, const float* rs,
+                                                           int n4) {
+  FfnWeights<NV> f;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int c = threadIdx.x + j * kVecThreads;
+    const bool in = c < n4;
+    f.pre[j] = in ? ld4(w_pre, c) : make_float4(0, 0, 0, 0);
+    f.pre2[j] = in ? ld4(w_pre2, c) : make_float4(0, 0, 0, 0);
+    f.rs[j] = in ? ld4(rs, c) : make_float4(0, 0, 0, 0);
+  }
+  return f;
+}
+
 // From the residual row r (in registers): x1 = rms(r; w_pre), xe = rms(r; w_pre2), xr = rms_noscale(r) * rs / sqrt(n).
 template <int NV>
-__device__ __forceinline__ void store_ffn_inputs(const RowVec<NV>& r, int n, size_t off, const float* w_pre,
-                                                 const float* w_pre2, const float* rs, float eps, bf16* x1, bf16* xe,
-                                                 float* xr) {
+__device__ __forceinline__ void store_ffn_inputs(const RowVec<NV>& r, int n, size_t off, const FfnWeights<NV>& f,
+                                                 float eps, bf16* x1, bf16* xe, float* xr) {
   const int n4 = n / 4;
   const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
   const float inv_sqrt_n = 1.0f / sqrtf(float(n));
@@ -188,9 +208,9 @@ __device__ __forceinline__ void store_ffn_inputs(const RowVec<NV>& r, int n, siz
     const int c = threadIdx.x + j * kVecThreads;
     if (c < n4) {
       const float4 v = mul4(r.v[j], inv, make_float4(1, 1, 1, 1));
-      st4(x1 + off, c, mul4(v, 1.0f, ld4(w_pre, c)));
-      st4(xe + off, c, mul4(v, 1.0f, ld4(w_pre2, c)));
-      const float4 q = ld4(rs, c);
+      st4(x1 + off, c, mul4(v, 1.0f, f.pre[j]));
+      st4(xe + off, c, mul4(v, 1.0f, f.pre2[j]));
+      const float4 q = f.rs[j];
       st4(xr + off, c, make_float4(v.x * q.x * inv_sqrt_n, v.y * q.y * inv_sqrt_n, v.z * q.z * inv_sqrt_n,
                                    v.w * q.w * inv_sqrt_n));
     }
@@ -203,37 +223,46 @@ __global__ void __launch_bounds__(kVecThreads) pre_ffn_vec_k(const float* h, int
                                                              bf16* xe, float* xr) {
   const int n4 = n / 4;
   const size_t off = size_t(blockIdx.x) * n;
+  const FfnWeights<NV> f = load_ffn_weights<NV>(w_pre, w_pre2, rs, n4);
   const RowVec<NV> r = load_f32<NV>(h + off, n4);
-  store_ffn_inputs(r, n, off, w_pre, w_pre2, rs, eps, x1, xe, xr);
+  store_ffn_inputs(r, n, off, f, eps, x1, xe, xr);
 }
 
 // add_rms_norm_vec_k then pre_ffn_vec_k in one pass: the updated residual row stays in registers (the same arithmetic
-// in the same order as the two kernels).
+// in the same order as the two kernels). The norm weights are constants, so they are loaded before
+// griddepcontrol.wait; after it, the attention output and the residual rows in one round trip. (It waited for three
+// dependent round trips before: 7.9-8.9 us a layer at T = 256 in the H200 profile, session 11.)
 template <int NV>
 __global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float* h, const bf16* a, int n,
                                                                           const float* w_post, const float* w_pre,
                                                                           const float* w_pre2, const float* rs,
                                                                           float eps, bf16* x1, bf16* xe, float* xr) {
-  pdl_wait();  // launch.cuh: nothing before this touches global memory
-  pdl_trigger();
   const int n4 = n / 4;
-  const size_t off = size_t(blockIdx.x) * n;
-  const RowVec<NV> ra = load_bf16<NV>(a + off, n4);
-  const float inv_a = rsqrtf(block_sum(sum_sq(ra)) / float(n) + eps);
-  RowVec<NV> r;
+  const FfnWeights<NV> f = load_ffn_weights<NV>(w_pre, w_pre2, rs, n4);
+  float4 wp[NV];
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int c = threadIdx.x + j * kVecThreads;
-    r.v[j] = make_float4(0, 0, 0, 0);
+    wp[j] = c < n4 ? ld4(w_post, c) : make_float4(0, 0, 0, 0);
+  }
+  pdl_wait();  // launch.cuh: only the constant weights above were read before it
+  pdl_trigger();
+  const size_t off = size_t(blockIdx.x) * n;
+  const RowVec<NV> ra = load_bf16<NV>(a + off, n4);
+  RowVec<NV> r = load_f32<NV>(h + off, n4);
+  const float inv_a = rsqrtf(block_sum(sum_sq(ra)) / float(n) + eps);
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int c = threadIdx.x + j * kVecThreads;
     if (c < n4) {
-      float4 hv = ld4(h + off, c);
-      const float4 d = mul4(ra.v[j], inv_a, ld4(w_post, c));
+      float4 hv = r.v[j];
+      const float4 d = mul4(ra.v[j], inv_a, wp[j]);
       hv.x += d.x, hv.y += d.y, hv.z += d.z, hv.w += d.w;
       st4(h + off, c, hv);
       r.v[j] = hv;
     }
   }
-  store_ffn_inputs(r, n, off, w_pre, w_pre2, rs, eps, x1, xe, xr);
+  store_ffn_inputs(r, n, off, f, eps, x1, xe, xr);
 }
 
 // NV for a row of n floats, 0 when the vector path does not apply.
@@ -326,12 +355,13 @@ __global__ void qkv_norm_rope_k(const bf16* qkv, int nh, int nkv, int D, bool v_
 // The same for D = 32 EPL (EPL a multiple of 8): lane l holds elements [l EPL, l EPL + EPL) of its row as 16-byte
 // loads and stores, and the rotation partner i + D/2 of element i sits in lane l ^ 16 (one shuffle per element).
 // The scalar kernel above (2-byte loads, the row read twice) took ~9 us a layer at T = 256 (H200 profile).
+// The rotation table and the first row's norm weights depend only on constants (positions and weights), so they are
+// computed and loaded before griddepcontrol.wait; with a warp per row (qkv_norm_rope launches up to 32) the rows after
+// the wait take one round trip. (7.2-7.5 us a layer in the session 11 profile, with 16 warps and the table after it.)
 template <int EPL>
 __global__ void qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_from_k, const float* qw,
                                     const float* kw, const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k,
                                     bf16* v) {
-  pdl_wait();  // launch.cuh: nothing before this touches global memory
-  pdl_trigger();
   constexpr int D = 32 * EPL, half = D / 2;
   const int t = blockIdx.x, lane = threadIdx.x & 31;
   const int n_rows = nh + 2 * nkv;
@@ -342,8 +372,25 @@ __global__ void qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_fro
   fill_rope_trig(trig, half, pos, inv_freq);
   const bool first = lane < 16;
   const int e0 = lane * EPL, i0 = (first ? lane : lane - 16) * EPL;  // element, and its rotation frequency index
-  for (int r = threadIdx.x >> 5; r < n_rows; r += blockDim.x >> 5) {
+  // This lane's norm weights of row r (1 for v rows: unused), rotation factors and whether each element rotates.
+  auto row_consts = [&](int r, float (&wv)[EPL], float (&cs)[EPL], float (&sn)[EPL], bool (&rot)[EPL]) {
+    const float* w = r < nh ? qw : r < nh + nkv ? kw : nullptr;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      wv[j] = w ? w[e0 + j] : 1.0f;
+      rot[j] = inv_freq[i0 + j] != 0.0f;
+      cs[j] = trig[i0 + j], sn[j] = trig[half + i0 + j];
+    }
+  };
+  float wv[EPL], cs[EPL], sn[EPL];
+  bool rot[EPL];
+  int r = threadIdx.x >> 5;
+  if (r < n_rows) row_consts(r, wv, cs, sn, rot);
+  pdl_wait();  // launch.cuh: only constants (inv_freq, the norm weights) were read before it
+  pdl_trigger();
+  for (; r < n_rows; r += blockDim.x >> 5) {
     const auto [src, dst, w, rotate] = qkv_row(r, t, nh, nkv, D, v_from_k, src_row, qw, kw, q, k, v);
+    if (r >= int(blockDim.x >> 5)) row_consts(r, wv, cs, sn, rot);  // a second row of this warp (more rows than warps)
     float x[EPL];
 #pragma unroll
     for (int c = 0; c < EPL / 8; ++c) {
@@ -362,16 +409,13 @@ __global__ void qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_fro
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
       x[j] *= inv;
-      if (w) x[j] *= w[e0 + j];
+      if (w) x[j] *= wv[j];
     }
     if (rotate) {
 #pragma unroll
       for (int j = 0; j < EPL; ++j) {
         const float other = __shfl_xor_sync(0xffffffffu, x[j], 16);
-        if (inv_freq[i0 + j] != 0.0f) {
-          const float cs = trig[i0 + j], sn = trig[half + i0 + j];
-          x[j] = first ? x[j] * cs - other * sn : x[j] * cs + other * sn;
-        }
+        if (rot[j]) x[j] = first ? x[j] * cs[j] - other * sn[j] : x[j] * cs[j] + other * sn[j];
       }
     }
 #pragma unroll
@@ -814,7 +858,7 @@ void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k
   if (T == 0) return;
   const int rows = nh + 2 * nkv;
   if (D == 256 || D == 512) {
-    const int vwarps = rows < 16 ? rows : 16;
+    const int vwarps = rows < 32 ? rows : 32;  // a warp a row
     auto* kern = D == 256 ? qkv_norm_rope_vec_k<8> : qkv_norm_rope_vec_k<16>;
     launch_pdl(kern, dim3(T), dim3(32 * vwarps), 0, s, qkv, nh, nkv, v_from_k, qw, kw, inv_freq, pos0, eps, q, k, v);
     return;
