@@ -356,10 +356,11 @@ __global__ void qkv_norm_rope_k(const bf16* qkv, int nh, int nkv, int D, bool v_
 // loads and stores, and the rotation partner i + D/2 of element i sits in lane l ^ 16 (one shuffle per element).
 // The scalar kernel above (2-byte loads, the row read twice) took ~9 us a layer at T = 256 (H200 profile).
 // The rotation table and the first row's norm weights depend only on constants (positions and weights), so they are
-// computed and loaded before griddepcontrol.wait; with a warp per row (qkv_norm_rope launches up to 32) the rows after
-// the wait take one round trip. (7.2-7.5 us a layer in the session 11 profile, with 16 warps and the table after it.)
+// computed and loaded before griddepcontrol.wait (7.2-7.5 us a layer in the session 11 profile with the table after
+// it). A warp a row (32 warps) needs more registers than 1024 threads have at D = 512: up to 16 warps.
+constexpr int kQkvRopeWarps = 16;
 template <int EPL>
-__global__ void qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_from_k, const float* qw,
+__global__ void __launch_bounds__(32 * kQkvRopeWarps) qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_from_k, const float* qw,
                                     const float* kw, const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k,
                                     bf16* v) {
   constexpr int D = 32 * EPL, half = D / 2;
@@ -858,7 +859,7 @@ void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k
   if (T == 0) return;
   const int rows = nh + 2 * nkv;
   if (D == 256 || D == 512) {
-    const int vwarps = rows < 32 ? rows : 32;  // a warp a row
+    const int vwarps = rows < kQkvRopeWarps ? rows : kQkvRopeWarps;
     auto* kern = D == 256 ? qkv_norm_rope_vec_k<8> : qkv_norm_rope_vec_k<16>;
     launch_pdl(kern, dim3(T), dim3(32 * vwarps), 0, s, qkv, nh, nkv, v_from_k, qw, kw, inv_freq, pos0, eps, q, k, v);
     return;
