@@ -311,19 +311,23 @@ template <bool TC>
 __global__ void __launch_bounds__(kRtThreads) router_partials_k(RouterArgs a) {
   __shared__ __align__(16) float xs[kRtTok][kRtPad];
   __shared__ __align__(16) float ws[kRtExp][kRtPad];
-  pdl_wait();  // launch.cuh: nothing before this touches global memory
-  pdl_trigger();
   const int tid = threadIdx.x, t0 = blockIdx.x * kRtTok, split = blockIdx.y, k0 = split * kRtKc;
+  constexpr int kQuads = kRtKc / 4;
+  // The router weights' tile is a constant: requested before griddepcontrol.wait, so only the token tile's copies
+  // remain after it (H % 4 == 0: a quad is in or out).
+  for (int i = tid; i < kRtExp * kQuads; i += kRtThreads) {
+    const int r = i / kQuads, c = (i % kQuads) * 4;
+    const bool ok = k0 + c < a.H && r < a.E;
+    cp_async16(&ws[r][c], ok ? a.W + size_t(r) * a.H + k0 + c : a.W, ok);
+  }
+  pdl_wait();  // launch.cuh: only the constant weights above were read before it
+  pdl_trigger();
   if (blockIdx.x == 0 && blockIdx.y == 0)  // the route kernel (after this grid completes) sets the bits
     for (int i = tid; i < a.E * ((a.T + 31) / 32); i += kRtThreads) a.masks[i] = 0u;
-  constexpr int kQuads = kRtKc / 4;
-  for (int i = tid; i < (kRtTok + kRtExp) * kQuads; i += kRtThreads) {
+  for (int i = tid; i < kRtTok * kQuads; i += kRtThreads) {
     const int r = i / kQuads, c = (i % kQuads) * 4;
-    const bool is_x = r < kRtTok;
-    const int rr = is_x ? r : r - kRtTok;
-    const bool ok = k0 + c < a.H && (is_x ? t0 + rr < a.T : rr < a.E);  // H % 4 == 0: a quad is in or out
-    const float* src = is_x ? a.x + size_t(t0 + rr) * a.H : a.W + size_t(rr) * a.H;
-    cp_async16(is_x ? &xs[rr][c] : &ws[rr][c], ok ? src + k0 + c : a.x, ok);
+    const bool ok = k0 + c < a.H && t0 + r < a.T;
+    cp_async16(&xs[r][c], ok ? a.x + size_t(t0 + r) * a.H + k0 + c : a.x, ok);
   }
   cp_async_commit();
   cp_async_wait<0>();
@@ -569,11 +573,12 @@ __global__ void moe_combine_ffn_k(const float* y, const int32_t* idx, const floa
 // kCombineThreads threads cover NV chunks each; moe_combine_ffn runs rows of up to 1024 chunks (H <= 4096) with 768 or
 // 1024 threads and one chunk each, so a thread's k expert loads are its only round trip (256 threads x 3 chunks took
 // 15 us a layer at the 4K step, H200 profile).
-// Round trips: the four norm weights are constants, loaded before griddepcontrol.wait; after it, warp 0 loads the
-// token's k (expert, weight, row) triples a lane each and ranks them by expert id with shuffles (the stable order of
-// combine_sources), while every thread's m1 and h chunks are in flight; then the expert rows. (It waited for five
-// dependent round trips before, with one thread loading and sorting the triples: 11.3-12.3 us a layer at the 4K step,
-// session 11 profile.)
+// Round trips: the four norm weights are constants, copied into shared memory (cp.async, no registers held) before
+// griddepcontrol.wait; after it, every thread's m1 and h chunks follow them, and warp 0 loads the token's k (expert,
+// weight, row) triples a lane each and ranks them by expert id with shuffles (combine_sources' stable order); then
+// the expert rows. A thread reads back only the chunks it copied itself, so its own cp.async wait suffices. (It
+// waited for five dependent round trips before, with one thread loading and sorting the triples: 11.3-12.3 us a layer
+// at the 4K step, session 11 profile; holding the weights in registers instead cost the second block an SM.)
 template <int NV, int KMAX, int kCombineThreads>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
@@ -582,34 +587,37 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
   static_assert(KMAX <= 32, "one lane a source");
   __shared__ int src_row[KMAX];
   __shared__ float src_w[KMAX];
+  extern __shared__ float4 staged[];  // combine_staged_bytes(H): w1, w2, wn, w_next, h (H / 4 float4 each), then m1
   const int t = blockIdx.x, H4 = H / 4;
-  const float4 zero = make_float4(0, 0, 0, 0);
-  float4 p1[NV], p2[NV], pn[NV], px[NV];  // w1, w2, wn, w_next
+  float4 *s1w = staged, *s2w = s1w + H4, *snw = s2w + H4, *sxw = snw + H4, *sh = sxw + H4;
+  uint2* sm1 = reinterpret_cast<uint2*>(sh + H4);
+  auto copy16 = [](void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(unsigned(__cvta_generic_to_shared(dst))),
+                 "l"(src)
+                 : "memory");
+  };
 #pragma unroll
   for (int q = 0; q < NV; ++q) {
     const int c = threadIdx.x + q * kCombineThreads;
-    const bool in = c < H4;
-    p1[q] = in ? reinterpret_cast<const float4*>(w1)[c] : zero;
-    p2[q] = in ? reinterpret_cast<const float4*>(w2)[c] : zero;
-    pn[q] = in ? reinterpret_cast<const float4*>(wn)[c] : zero;
-    px[q] = in && w_next ? reinterpret_cast<const float4*>(w_next)[c] : zero;
+    if (c < H4) {
+      copy16(s1w + c, w1 + 4 * c), copy16(s2w + c, w2 + 4 * c), copy16(snw + c, wn + 4 * c);
+      if (w_next) copy16(sxw + c, w_next + 4 * c);
+    }
   }
   pdl_wait();  // launch.cuh: only the constant weights above were read before it
   pdl_trigger();
   const size_t off = size_t(t) * H;
-  float4 a1[NV], hr[NV];
 #pragma unroll
   for (int q = 0; q < NV; ++q) {
     const int c = threadIdx.x + q * kCombineThreads;
-    a1[q] = hr[q] = zero;
     if (c < H4) {
-      const uint2 u = reinterpret_cast<const uint2*>(m1 + off)[c];
-      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-      a1[q] = make_float4(lo.x, lo.y, hi.x, hi.y);
-      hr[q] = reinterpret_cast<const float4*>(h + off)[c];
+      copy16(sh + c, h + off + 4 * c);
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(unsigned(__cvta_generic_to_shared(sm1 + c))),
+                   "l"(m1 + off + 4 * c)
+                   : "memory");
     }
   }
+  cp_async_commit();
   if (threadIdx.x < 32) {
     const int lane = int(threadIdx.x);
     const bool mine = lane < k;
@@ -624,7 +632,8 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     if (mine) src_row[rank] = row, src_w[rank] = wt;
   }
   __syncthreads();
-  float4 m2[NV];
+  const float4 zero = make_float4(0, 0, 0, 0);
+  float4 m2[NV], a1[NV];
   float s1 = 0, s2 = 0;
 #pragma unroll
   for (int q = 0; q < NV; ++q) {
@@ -644,7 +653,15 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
           acc.w += src_w[j] * ys[j].w;
         }
     }
-    const float4 a = a1[q];
+    if (q == 0) cp_async_wait<0>();  // this thread's h and m1 chunks (and the weights) have landed
+    float4 a = zero;
+    if (c < H4) {
+      const uint2 u = sm1[c];
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+      a = make_float4(lo.x, lo.y, hi.x, hi.y);
+    }
+    a1[q] = a;
     m2[q] = acc;
     s1 += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
     s2 += acc.x * acc.x + acc.y * acc.y + acc.z * acc.z + acc.w * acc.w;
@@ -656,7 +673,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
   for (int q = 0; q < NV; ++q) {
     const int c = threadIdx.x + q * kCombineThreads;
     if (c < H4) {
-      const float4 p = p1[q], r = p2[q];
+      const float4 p = s1w[c], r = s2w[c];
       m2[q] = make_float4(a1[q].x * inv1 * p.x + m2[q].x * inv2 * r.x, a1[q].y * inv1 * p.y + m2[q].y * inv2 * r.y,
                           a1[q].z * inv1 * p.z + m2[q].z * inv2 * r.z, a1[q].w * inv1 * p.w + m2[q].w * inv2 * r.w);
       s3 += m2[q].x * m2[q].x + m2[q].y * m2[q].y + m2[q].z * m2[q].z + m2[q].w * m2[q].w;
@@ -669,8 +686,8 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     const int c = threadIdx.x + q * kCombineThreads;
     float4 hv = zero;
     if (c < H4) {
-      const float4 p = pn[q];
-      hv = hr[q];
+      const float4 p = snw[c];
+      hv = sh[c];
       hv.x = (hv.x + m2[q].x * inv3 * p.x) * scalar;
       hv.y = (hv.y + m2[q].y * inv3 * p.y) * scalar;
       hv.z = (hv.z + m2[q].z * inv3 * p.z) * scalar;
@@ -687,7 +704,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
   for (int q = 0; q < NV; ++q) {
     const int c = threadIdx.x + q * kCombineThreads;
     if (c < H4) {
-      const float4 p = px[q];
+      const float4 p = sxw[c];
       const __nv_bfloat162 lo = __floats2bfloat162_rn(m2[q].x * inv4 * p.x, m2[q].y * inv4 * p.y);
       const __nv_bfloat162 hi = __floats2bfloat162_rn(m2[q].z * inv4 * p.z, m2[q].w * inv4 * p.w);
       uint2 u;
@@ -812,8 +829,18 @@ void moe_combine_ffn(const float* y, const int32_t* idx, const float* w, const i
   if (x_next && !w_next) throw_cuda_error("moe_combine_ffn", "x_next needs w_next", 0, __FILE__, __LINE__);
   if (k <= 8 && H % 4 == 0 && H / 4 <= 1024) {
     auto* kern = H / 4 <= 768 ? moe_combine_ffn_vec_k<1, 8, 768> : moe_combine_ffn_vec_k<1, 8, 1024>;
-    launch_pdl(kern, dim3(T), dim3(H / 4 <= 768 ? 768 : 1024), 0, s, y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
-               eps, scalar, w_next, x_next);
+    const size_t smem = size_t(H / 4) * (5 * 16 + 8);  // five float4 rows and the bf16 m1 row
+    static const bool raised = [] {  // once (thread-safe): the most either variant stages, H = 4096
+      const int most = 4096 / 4 * (5 * 16 + 8);
+      CUDA_CHECK(cudaFuncSetAttribute(moe_combine_ffn_vec_k<1, 8, 768>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      most));
+      CUDA_CHECK(cudaFuncSetAttribute(moe_combine_ffn_vec_k<1, 8, 1024>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      most));
+      return true;
+    }();
+    (void)raised;
+    launch_pdl(kern, dim3(T), dim3(H / 4 <= 768 ? 768 : 1024), smem, s, y, idx, w, sorted_pos, k, h, m1, H, w1, w2,
+               w_post, eps, scalar, w_next, x_next);
     CUDA_CHECK_LAUNCH();
     return;
   }

@@ -355,14 +355,12 @@ __global__ void qkv_norm_rope_k(const bf16* qkv, int nh, int nkv, int D, bool v_
 // The same for D = 32 EPL (EPL a multiple of 8): lane l holds elements [l EPL, l EPL + EPL) of its row as 16-byte
 // loads and stores, and the rotation partner i + D/2 of element i sits in lane l ^ 16 (one shuffle per element).
 // The scalar kernel above (2-byte loads, the row read twice) took ~9 us a layer at T = 256 (H200 profile).
-// The rotation table and the first row's norm weights depend only on constants (positions and weights), so they are
-// computed and loaded before griddepcontrol.wait (7.2-7.5 us a layer in the session 11 profile with the table after
-// it). A warp a row (32 warps) needs more registers than 1024 threads have at D = 512: up to 16 warps.
-constexpr int kQkvRopeWarps = 16;
 template <int EPL>
-__global__ void __launch_bounds__(32 * kQkvRopeWarps) qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_from_k, const float* qw,
+__global__ void qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_from_k, const float* qw,
                                     const float* kw, const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k,
                                     bf16* v) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   constexpr int D = 32 * EPL, half = D / 2;
   const int t = blockIdx.x, lane = threadIdx.x & 31;
   const int n_rows = nh + 2 * nkv;
@@ -373,25 +371,8 @@ __global__ void __launch_bounds__(32 * kQkvRopeWarps) qkv_norm_rope_vec_k(const 
   fill_rope_trig(trig, half, pos, inv_freq);
   const bool first = lane < 16;
   const int e0 = lane * EPL, i0 = (first ? lane : lane - 16) * EPL;  // element, and its rotation frequency index
-  // This lane's norm weights of row r (1 for v rows: unused), rotation factors and whether each element rotates.
-  auto row_consts = [&](int r, float (&wv)[EPL], float (&cs)[EPL], float (&sn)[EPL], bool (&rot)[EPL]) {
-    const float* w = r < nh ? qw : r < nh + nkv ? kw : nullptr;
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-      wv[j] = w ? w[e0 + j] : 1.0f;
-      rot[j] = inv_freq[i0 + j] != 0.0f;
-      cs[j] = trig[i0 + j], sn[j] = trig[half + i0 + j];
-    }
-  };
-  float wv[EPL], cs[EPL], sn[EPL];
-  bool rot[EPL];
-  int r = threadIdx.x >> 5;
-  if (r < n_rows) row_consts(r, wv, cs, sn, rot);
-  pdl_wait();  // launch.cuh: only constants (inv_freq, the norm weights) were read before it
-  pdl_trigger();
-  for (; r < n_rows; r += blockDim.x >> 5) {
+  for (int r = threadIdx.x >> 5; r < n_rows; r += blockDim.x >> 5) {
     const auto [src, dst, w, rotate] = qkv_row(r, t, nh, nkv, D, v_from_k, src_row, qw, kw, q, k, v);
-    if (r >= int(blockDim.x >> 5)) row_consts(r, wv, cs, sn, rot);  // a second row of this warp (more rows than warps)
     float x[EPL];
 #pragma unroll
     for (int c = 0; c < EPL / 8; ++c) {
@@ -410,13 +391,16 @@ __global__ void __launch_bounds__(32 * kQkvRopeWarps) qkv_norm_rope_vec_k(const 
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
       x[j] *= inv;
-      if (w) x[j] *= wv[j];
+      if (w) x[j] *= w[e0 + j];
     }
     if (rotate) {
 #pragma unroll
       for (int j = 0; j < EPL; ++j) {
         const float other = __shfl_xor_sync(0xffffffffu, x[j], 16);
-        if (rot[j]) x[j] = first ? x[j] * cs[j] - other * sn[j] : x[j] * cs[j] + other * sn[j];
+        if (inv_freq[i0 + j] != 0.0f) {
+          const float cs = trig[i0 + j], sn = trig[half + i0 + j];
+          x[j] = first ? x[j] * cs - other * sn : x[j] * cs + other * sn;
+        }
       }
     }
 #pragma unroll
@@ -859,7 +843,7 @@ void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k
   if (T == 0) return;
   const int rows = nh + 2 * nkv;
   if (D == 256 || D == 512) {
-    const int vwarps = rows < kQkvRopeWarps ? rows : kQkvRopeWarps;
+    const int vwarps = rows < 16 ? rows : 16;
     auto* kern = D == 256 ? qkv_norm_rope_vec_k<8> : qkv_norm_rope_vec_k<16>;
     launch_pdl(kern, dim3(T), dim3(32 * vwarps), 0, s, qkv, nh, nkv, v_from_k, qw, kw, inv_freq, pos0, eps, q, k, v);
     return;
