@@ -829,10 +829,11 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
                                   {.tile_counters = tile_ctr.p, .gate_up_packed = dgu_pk.p});
     moe_gate_up_padded_tma_masked(wgu, dx.p, dmasks.p, T, E, H, I, pk(4), nullptr,
                                   {.grid = 7, .stages = 5, .gate_up_packed = dgu_pk.p});
-    // The fused launch with the producer's L2 prefetch of 3 more stages of its first tile: a hint, so the results
-    // must not move.
+    // The fused launch with the producer's L2 prefetch of 3 more stages of its first tile, and only one ring stage
+    // requested before the PDL wait: the results must not move.
     moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, pk(5), y_fpk.p, nullptr,
-                                 {.l2_prefetch_slices = 3, .tile_counters = fused_ctr.p, .gate_up_packed = dgu_pk.p});
+                                 {.l2_prefetch_slices = 3, .prewait_stages = 1, .tile_counters = fused_ctr.p,
+                                  .gate_up_packed = dgu_pk.p});
     // Packed down weights, and down's row counts from the masks: the plain kernel (all SMs; 5 SMs with an L2
     // prefetch), the masked one with and without packing, and the fused launch with both packed (7 blocks).
     ASSERT_TRUE(expert_down_packable(H, I));
@@ -848,8 +849,8 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     moe_down_padded_tma_masked(wdn, am, dmasks.p, T, E, H, I, ypk(3), nullptr,
                                {.grid = 7, .stages = 5, .down_packed = ddn_pk.p});
     moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_fpk2.p, ypk(4), nullptr,
-                                 {.grid = 7, .stages = 5, .tile_counters = fused_ctr.p, .gate_up_packed = dgu_pk.p,
-                                  .down_packed = ddn_pk.p});
+                                 {.grid = 7, .stages = 5, .prewait_stages = 0, .tile_counters = fused_ctr.p,
+                                  .gate_up_packed = dgu_pk.p, .down_packed = ddn_pk.p});
     set_pdl(false);
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act4.p, nullptr);
     moe_down_padded_tma(wdn, am, valid, E, H, I, y4.p, nullptr);

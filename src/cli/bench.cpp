@@ -42,7 +42,7 @@ struct BenchArgs {
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   bool router_tc = false;
   bool dense_mlp_priority = false;
-  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 3;  // CudaOptions::tma_experts_stages' default
+  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 3, tma_prewait = -1;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
   bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false;
   int tma_l2_promotion = 256;  // CudaOptions::tma_weight_l2_promotion
@@ -111,6 +111,7 @@ int run_bench(const BenchArgs& args) {
   opt.dense_mlp_priority = args.dense_mlp_priority;
   opt.expert_sms = args.expert_sms;
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
+  opt.tma_experts_prewait_stages = args.tma_prewait;
   opt.fused_experts = !args.no_fused_experts;
   opt.pack_expert_gate_up = !args.no_pack_gate_up;
   opt.pack_expert_down = !args.no_pack_down;
@@ -159,6 +160,7 @@ int run_bench(const BenchArgs& args) {
                                            : "padded: TMA + wgmma gate_up (PDL) where supported, cuBLASLt down";
   out["expert_sms"] = args.expert_sms;
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
+  out["tma_prewait_stages"] = args.tma_prewait;
   out["fused_experts"] = !args.no_fused_experts;
   out["pack_expert_gate_up"] = !args.no_pack_gate_up;
   out["pack_expert_down"] = !args.no_pack_down;
@@ -407,6 +409,10 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "k slices of each TMA expert block's first weight tile prefetched into "
                                       "L2 before the PDL wait, beyond the ring's stages (0: none)")
                            ->check(CLI::NonNegativeNumber);
+                       sub.add_option("--tma-prewait-stages", a->tma_prewait,
+                                      "ring stages of each TMA expert block's first tile requested before the PDL "
+                                      "wait (-1: all; CudaOptions::tma_experts_prewait_stages)")
+                           ->check(CLI::Range(-1, 64));
                        sub.add_option("--tma-grid", a->tma_grid,
                                       "blocks of the TMA expert kernels (0: as many as fit on every SM; CudaOptions::tma_experts_grid)")
                            ->check(CLI::NonNegativeNumber);

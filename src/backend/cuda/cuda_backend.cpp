@@ -828,6 +828,7 @@ class CudaBackend final : public Backend {
         .grid = opt_.tma_experts_grid,
         .stages = opt_.tma_experts_stages,
         .l2_prefetch_slices = opt_.tma_experts_l2_prefetch,
+        .prewait_stages = opt_.tma_experts_prewait_stages,
         .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr,
         .gate_up_packed = L.gu_packed ? L.exp_gu : nullptr,
         .down_packed = L.dn_packed ? L.exp_down : nullptr};

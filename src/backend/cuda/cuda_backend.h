@@ -111,6 +111,8 @@ struct CudaOptions {
   // With tma_experts: each block of the TMA expert kernels also prefetches this many further 64-wide k slices of its
   // first tile's weights into L2 before its griddepcontrol.wait (bench --tma-l2-prefetch; 0 = none).
   int tma_experts_l2_prefetch = 0;
+  // cuda::TmaExpertsPlan::prewait_stages (-1: the whole ring before the wait). A/B: bench --tma-prewait-stages.
+  int tma_experts_prewait_stages = -1;
   // With tma_experts (sms 0): the TMA kernels' grid (0: two blocks per SM) and ring stages (3, 4 or 5), for A/B
   // (bench --tma-grid / --tma-stages); cuda::TmaExpertsPlan explains them.
   // With the packed weights, three 3-stage blocks an SM measured 0.04-0.1 ms a step faster than two of 4 stages

@@ -260,6 +260,9 @@ struct TmaExpertsPlan {
   // > 0: each block also prefetches that many further 64-wide k slices of its first tile's weights into L2 before
   // griddepcontrol.wait.
   int l2_prefetch_slices = 0;
+  // >= 0: at most this many of the first tile's ring stages are requested before griddepcontrol.wait (-1: the whole
+  // ring). Those early reads overlap the predecessor, but they also compete with it for DRAM.
+  int prewait_stages = -1;
   // moe_gate_up_padded_tma_gathered only: two zeroed unsigneds (left zeroed; not shared by concurrent launches) for
   // tiles handed out by an atomic counter after each block's first, instead of the fixed stride, so that blocks
   // that start late (their SMs busy with another stream's kernels) take fewer tiles. Null: the fixed stride.

@@ -123,7 +123,7 @@ template <bool GATED, int kStages, bool GATHER = false, bool FUSED = false>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
-                  int l2_prefetch_slices, const bf16* __restrict__ xg, const int32_t* __restrict__ slot_token,
+                  int l2_prefetch_slices, int prewait_stages, const bf16* __restrict__ xg, const int32_t* __restrict__ slot_token,
                   unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
                   const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
@@ -175,7 +175,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int first = int(blockIdx.x);
   // Ring uses 0 .. npre-1 (stage s = use) are the first tile's first stages, whose weights are requested before
   // griddepcontrol.wait.
-  const int npre = first < n_tiles ? (nk < kStages ? nk : kStages) : 0;
+  // prewait_stages >= 0 caps them (TmaExpertsPlan::prewait_stages).
+  const int ring_pre = nk < kStages ? nk : kStages;
+  const int npre = first < n_tiles ? (prewait_stages >= 0 && prewait_stages < ring_pre ? prewait_stages : ring_pre) : 0;
   // The packed stage image (expert_layout.h) of k slice kt of tile `tile`, or null if those weights are not packed.
   // Packed stages are in tile order: gate_up tiles (and a down kernel's) by their own index, the fused kernel's down
   // tiles by their index among the down tiles.
@@ -610,7 +612,7 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   // first stages' weights before griddepcontrol.wait (see the kernel).
   auto go = [&](auto kernel, int stages, int grid) {
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
-               act, y, pf, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks, mask_words,
+               act, y, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks, mask_words,
                GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {

@@ -572,59 +572,28 @@ __global__ void moe_combine_ffn_k(const float* y, const int32_t* idx, const floa
 // (the scalar loop above waits on one 4-byte load per expert and element: ~30 us per layer at T = 256).
 // kCombineThreads threads cover NV chunks each; moe_combine_ffn runs rows of up to 1024 chunks (H <= 4096) with 768 or
 // 1024 threads and one chunk each, so a thread's k expert loads are its only round trip (256 threads x 3 chunks took
-// 15 us a layer at the 4K step, H200 profile).
-// Round trips: the four norm weights are constants, copied into shared memory (cp.async, no registers held) before
-// griddepcontrol.wait; after it, every thread's m1 and h chunks follow them, and warp 0 loads the token's k (expert,
-// weight, row) triples a lane each and ranks them by expert id with shuffles (combine_sources' stable order); then
-// the expert rows. A thread reads back only the chunks it copied itself, so its own cp.async wait suffices. (It
-// waited for five dependent round trips before, with one thread loading and sorting the triples: 11.3-12.3 us a layer
-// at the 4K step, session 11 profile; holding the weights in registers instead cost the second block an SM.)
+// 15 us a layer at the 4K step, H200 profile). Warp 0 loads the token's k (expert, weight, row) triples a lane each
+// and ranks them with shuffles (thread 0 loading and sorting them alone took two dependent round trips). Holding the
+// norm weights in registers from before griddepcontrol.wait (13.1 us: 76 registers, one block an SM) or staging them
+// and h / m1 in shared memory by cp.async (14-15 us in the step, 20.2 alone) were slower (session 11).
 template <int NV, int KMAX, int kCombineThreads>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
     int H, const float* w1, const float* w2, const float* wn, float eps, float scalar, const float* w_next,
     bf16* x_next) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
   static_assert(KMAX <= 32, "one lane a source");
   __shared__ int src_row[KMAX];
   __shared__ float src_w[KMAX];
-  extern __shared__ float4 staged[];  // combine_staged_bytes(H): w1, w2, wn, w_next, h (H / 4 float4 each), then m1
   const int t = blockIdx.x, H4 = H / 4;
-  float4 *s1w = staged, *s2w = s1w + H4, *snw = s2w + H4, *sxw = snw + H4, *sh = sxw + H4;
-  uint2* sm1 = reinterpret_cast<uint2*>(sh + H4);
-  auto copy16 = [](void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(unsigned(__cvta_generic_to_shared(dst))),
-                 "l"(src)
-                 : "memory");
-  };
-#pragma unroll
-  for (int q = 0; q < NV; ++q) {
-    const int c = threadIdx.x + q * kCombineThreads;
-    if (c < H4) {
-      copy16(s1w + c, w1 + 4 * c), copy16(s2w + c, w2 + 4 * c), copy16(snw + c, wn + 4 * c);
-      if (w_next) copy16(sxw + c, w_next + 4 * c);
-    }
-  }
-  pdl_wait();  // launch.cuh: only the constant weights above were read before it
-  pdl_trigger();
-  const size_t off = size_t(t) * H;
-#pragma unroll
-  for (int q = 0; q < NV; ++q) {
-    const int c = threadIdx.x + q * kCombineThreads;
-    if (c < H4) {
-      copy16(sh + c, h + off + 4 * c);
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(unsigned(__cvta_generic_to_shared(sm1 + c))),
-                   "l"(m1 + off + 4 * c)
-                   : "memory");
-    }
-  }
-  cp_async_commit();
-  if (threadIdx.x < 32) {
+  if (threadIdx.x < 32) {  // a lane a source, ranked by expert id: combine_sources' order in one round trip
     const int lane = int(threadIdx.x);
     const bool mine = lane < k;
     const int e = mine ? idx[t * k + lane] : 0;
     const float wt = mine ? w[t * k + lane] : 0.0f;
     const int row = mine ? sorted_pos[t * k + lane] : 0;
-    int rank = 0;  // sources before this one in ascending expert id, ties in pair order (combine_sources' order)
+    int rank = 0;  // sources before this one: a lower expert id, or the same id earlier in pair order
     for (int j = 0; j < k; ++j) {
       const int ej = __shfl_sync(0xffffffffu, e, j);
       rank += (ej < e || (ej == e && j < lane)) ? 1 : 0;
@@ -632,13 +601,13 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     if (mine) src_row[rank] = row, src_w[rank] = wt;
   }
   __syncthreads();
-  const float4 zero = make_float4(0, 0, 0, 0);
+  const size_t off = size_t(t) * H;
   float4 m2[NV], a1[NV];
   float s1 = 0, s2 = 0;
 #pragma unroll
   for (int q = 0; q < NV; ++q) {
     const int c = threadIdx.x + q * kCombineThreads;
-    float4 acc = zero;
+    float4 acc = make_float4(0, 0, 0, 0), a = acc;
     if (c < H4) {
       float4 ys[KMAX];
 #pragma unroll
@@ -652,17 +621,12 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
           acc.z += src_w[j] * ys[j].z;
           acc.w += src_w[j] * ys[j].w;
         }
-    }
-    if (q == 0) cp_async_wait<0>();  // this thread's h and m1 chunks (and the weights) have landed
-    float4 a = zero;
-    if (c < H4) {
-      const uint2 u = sm1[c];
+      const uint2 u = reinterpret_cast<const uint2*>(m1 + off)[c];
       const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
       const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
       a = make_float4(lo.x, lo.y, hi.x, hi.y);
     }
-    a1[q] = a;
-    m2[q] = acc;
+    m2[q] = acc, a1[q] = a;
     s1 += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
     s2 += acc.x * acc.x + acc.y * acc.y + acc.z * acc.z + acc.w * acc.w;
   }
@@ -673,7 +637,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
   for (int q = 0; q < NV; ++q) {
     const int c = threadIdx.x + q * kCombineThreads;
     if (c < H4) {
-      const float4 p = s1w[c], r = s2w[c];
+      const float4 p = reinterpret_cast<const float4*>(w1)[c], r = reinterpret_cast<const float4*>(w2)[c];
       m2[q] = make_float4(a1[q].x * inv1 * p.x + m2[q].x * inv2 * r.x, a1[q].y * inv1 * p.y + m2[q].y * inv2 * r.y,
                           a1[q].z * inv1 * p.z + m2[q].z * inv2 * r.z, a1[q].w * inv1 * p.w + m2[q].w * inv2 * r.w);
       s3 += m2[q].x * m2[q].x + m2[q].y * m2[q].y + m2[q].z * m2[q].z + m2[q].w * m2[q].w;
@@ -684,10 +648,10 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
 #pragma unroll
   for (int q = 0; q < NV; ++q) {
     const int c = threadIdx.x + q * kCombineThreads;
-    float4 hv = zero;
+    float4 hv = make_float4(0, 0, 0, 0);
     if (c < H4) {
-      const float4 p = snw[c];
-      hv = sh[c];
+      const float4 p = reinterpret_cast<const float4*>(wn)[c];
+      hv = reinterpret_cast<float4*>(h + off)[c];
       hv.x = (hv.x + m2[q].x * inv3 * p.x) * scalar;
       hv.y = (hv.y + m2[q].y * inv3 * p.y) * scalar;
       hv.z = (hv.z + m2[q].z * inv3 * p.z) * scalar;
@@ -704,7 +668,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
   for (int q = 0; q < NV; ++q) {
     const int c = threadIdx.x + q * kCombineThreads;
     if (c < H4) {
-      const float4 p = sxw[c];
+      const float4 p = reinterpret_cast<const float4*>(w_next)[c];
       const __nv_bfloat162 lo = __floats2bfloat162_rn(m2[q].x * inv4 * p.x, m2[q].y * inv4 * p.y);
       const __nv_bfloat162 hi = __floats2bfloat162_rn(m2[q].z * inv4 * p.z, m2[q].w * inv4 * p.w);
       uint2 u;
@@ -829,18 +793,8 @@ void moe_combine_ffn(const float* y, const int32_t* idx, const float* w, const i
   if (x_next && !w_next) throw_cuda_error("moe_combine_ffn", "x_next needs w_next", 0, __FILE__, __LINE__);
   if (k <= 8 && H % 4 == 0 && H / 4 <= 1024) {
     auto* kern = H / 4 <= 768 ? moe_combine_ffn_vec_k<1, 8, 768> : moe_combine_ffn_vec_k<1, 8, 1024>;
-    const size_t smem = size_t(H / 4) * (5 * 16 + 8);  // five float4 rows and the bf16 m1 row
-    static const bool raised = [] {  // once (thread-safe): the most either variant stages, H = 4096
-      const int most = 4096 / 4 * (5 * 16 + 8);
-      CUDA_CHECK(cudaFuncSetAttribute(moe_combine_ffn_vec_k<1, 8, 768>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      most));
-      CUDA_CHECK(cudaFuncSetAttribute(moe_combine_ffn_vec_k<1, 8, 1024>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      most));
-      return true;
-    }();
-    (void)raised;
-    launch_pdl(kern, dim3(T), dim3(H / 4 <= 768 ? 768 : 1024), smem, s, y, idx, w, sorted_pos, k, h, m1, H, w1, w2,
-               w_post, eps, scalar, w_next, x_next);
+    launch_pdl(kern, dim3(T), dim3(H / 4 <= 768 ? 768 : 1024), 0, s, y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
+               eps, scalar, w_next, x_next);
     CUDA_CHECK_LAUNCH();
     return;
   }
