@@ -483,7 +483,10 @@ TEST(CudaKernels, RouterTopKMasksAndAssignment) {
       EXPECT_EQ(meta_n.get(), gm) << what << ", " << threads << " threads";
       EXPECT_EQ(slot_n.get(), gt) << what << ", " << threads << " threads";
     }
-    run();  // bitwise repeatable, the rows too
+    // Bitwise repeatable, the rows too, with the route kernel's other block shape (8 tokens a block, not 2).
+    set_route_tokens_per_block(8);
+    run();
+    set_route_tokens_per_block(2);
     auto gl2 = logits.get();
     auto gw2 = w.get();
     EXPECT_EQ(0, std::memcmp(gl.data(), gl2.data(), gl.size() * sizeof(float))) << what;

@@ -41,6 +41,7 @@ struct BenchArgs {
   bool no_attn_tma = false;  // cuda::set_attention_tma(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   bool router_tc = false;
+  int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 3, tma_prewait = -1;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
@@ -88,6 +89,7 @@ int run_bench(const BenchArgs& args) {
   cuda::set_attention_splits(args.attn_splits);
   cuda::set_attention_tma(!args.no_attn_tma);
   cuda::set_router_tensor_cores(args.router_tc);
+  cuda::set_route_tokens_per_block(args.route_tokens);
   auto info = cuda::query_device(0);
   if (!info.available) fail("bench needs a CUDA GPU: {}", info.reason);
   int max_ctx = 0;
@@ -172,6 +174,7 @@ int run_bench(const BenchArgs& args) {
   out["attention_splits"] = args.attn_splits;
   out["attention_tma"] = !args.no_attn_tma;
   out["router_tensor_cores"] = args.router_tc;
+  out["route_tokens_per_block"] = args.route_tokens;
   out["dense_mlp_priority"] = opt.dense_mlp_priority;
   out["tma_grid"] = args.tma_grid;
   out["tma_stages"] = args.tma_stages;
@@ -365,6 +368,10 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--dense-mlp-priority", a->dense_mlp_priority,
                                     "A/B: the dense MLP's stream at the highest priority "
                                     "(CudaOptions::dense_mlp_priority)");
+                       sub.add_option("--route-tokens", a->route_tokens,
+                                      "A/B: tokens a block of the router's route kernel, 2 or 8 "
+                                      "(cuda::set_route_tokens_per_block)")
+                           ->check(CLI::IsMember({2, 8}));
                        sub.add_flag("--router-tc", a->router_tc,
                                     "A/B: the router's partial logits as 3xTF32 on the tensor cores instead of f32 "
                                     "FMAs (cuda::set_router_tensor_cores)");

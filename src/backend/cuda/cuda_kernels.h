@@ -179,6 +179,10 @@ void router_top_k(const float* x, int T, int H, const float* W, int E, int k, co
 // set_pdl; either way deterministic, the two differing in the last bits.
 void set_router_tensor_cores(bool on);
 bool router_tensor_cores();
+// router_top_k's route kernel: tokens a block, 2 (the default) or 8 (bench --route-tokens; process-wide, for A/B).
+// The same results either way.
+void set_route_tokens_per_block(int tokens);
+int route_tokens_per_block();
 // One of router_top_k's two launches, for timing them apart (bench-kernels): the partial logits, then the route
 // (which reads the partials the first wrote).
 enum class RouterStage { Partials, Route };

@@ -273,10 +273,11 @@ struct RouterArgs {
 };
 constexpr int kRtTok = 32, kRtExp = 128, kRtKc = 64, kRtThreads = 256, kRtWarps = kRtThreads / 32;
 constexpr int kRtPad = kRtKc + 4;  // shared row stride (floats): 16-byte aligned, quarter-warp reads conflict-free
-// router_route_k: kRouteTokens tokens a block, kRouteWarpsPerToken warps a token, each with up to kRouteLoads split
-// loads in flight (44 splits at H 2816: 11 a warp, one round).
-constexpr int kRouteTokens = 8, kRouteWarpsPerToken = 4, kRouteLoads = 11;
-constexpr int kRouteWarps = kRouteTokens * kRouteWarpsPerToken;
+// router_route_k: TOK tokens a block (route_tokens_per_block), kRouteWarpsPerToken warps a token, each with up to
+// kRouteLoads split loads in flight (44 splits at H 2816: 11 a warp, one round). 8 tokens a block (1024 threads, the
+// whole register file of an SM) put the 256 tokens of a canvas on 32 SMs, none shared with the expert blocks that
+// start beside it (PDL); 2 tokens a block put them on 128 SMs in blocks of 256 threads.
+constexpr int kRouteWarpsPerToken = 4, kRouteLoads = 11;
 static_assert(kRtTok % kRtWarps == 0 && kRtExp % 32 == 0, "tile shape");
 
 // Token tiles of kRtTok and k slices of kRtKc.
@@ -407,12 +408,13 @@ __global__ void __launch_bounds__(kRtThreads) router_partials_k(RouterArgs a) {
   }
 }
 
-__global__ void __launch_bounds__(32 * kRouteWarps) router_route_k(RouterArgs a, int splits) {
-  __shared__ __align__(16) float psum[kRouteTokens][kRouteWarpsPerToken][kRtExp];
+template <int TOK>
+__global__ void __launch_bounds__(32 * TOK * kRouteWarpsPerToken) router_route_k(RouterArgs a, int splits) {
+  __shared__ __align__(16) float psum[TOK][kRouteWarpsPerToken][kRtExp];
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int tl = warp / kRouteWarpsPerToken, q = warp % kRouteWarpsPerToken, t = blockIdx.x * kRouteTokens + tl;
+  const int tl = warp / kRouteWarpsPerToken, q = warp % kRouteWarpsPerToken, t = blockIdx.x * TOK + tl;
   if (t < a.T) {  // warp q adds splits q, q + 4, ... in that order, every load of the warp in flight at once
     auto part = [&](int sp) {
       return reinterpret_cast<const float4*>(a.partial + (size_t(sp) * a.T + t) * kRtExp)[lane];
@@ -728,6 +730,13 @@ bool g_router_tc = false;  // set_router_tensor_cores (off until a GPU A/B says 
 void set_router_tensor_cores(bool on) { g_router_tc = on; }
 
 bool router_tensor_cores() { return g_router_tc && compute_major() >= 8; }
+int g_route_tokens = 2;  // set_route_tokens_per_block
+void set_route_tokens_per_block(int tokens) {
+  if (tokens != 2 && tokens != 8)
+    throw_cuda_error("set_route_tokens_per_block", "tokens a block must be 2 or 8", tokens, __FILE__, __LINE__);
+  g_route_tokens = tokens;
+}
+int route_tokens_per_block() { return g_route_tokens; }
 
 size_t router_partial_floats(int T, int H) { return size_t(router_split(T, H).splits) * size_t(T) * kRtExp; }
 
@@ -754,8 +763,9 @@ void router_top_k_stage(RouterStage stage, const float* x, int T, int H, const f
     launch_pdl(router_tensor_cores() ? router_partials_k<true> : router_partials_k<false>,
                dim3(unsigned(sp.tiles), unsigned(sp.splits)), dim3(kRtThreads), 0, s, a);
   } else {
-    launch_pdl(router_route_k, dim3(unsigned((T + kRouteTokens - 1) / kRouteTokens)), dim3(32 * kRouteWarps), 0, s,
-               a, sp.splits);
+    const int tok = route_tokens_per_block();
+    launch_pdl(tok == 8 ? router_route_k<8> : router_route_k<2>, dim3(unsigned((T + tok - 1) / tok)),
+               dim3(unsigned(32 * tok * kRouteWarpsPerToken)), 0, s, a, sp.splits);
   }
   CUDA_CHECK_LAUNCH();
 }
