@@ -43,7 +43,8 @@ struct BenchArgs {
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool dense_mlp_priority = false;
-  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_stages = 3, tma_prewait = -1;  // CudaOptions::tma_experts_stages' default
+  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1;
+  int tma_stages = 3;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
   bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false;
   int tma_l2_promotion = 256;  // CudaOptions::tma_weight_l2_promotion

@@ -123,7 +123,8 @@ template <bool GATED, int kStages, bool GATHER = false, bool FUSED = false>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
-                  int l2_prefetch_slices, int prewait_stages, const bf16* __restrict__ xg, const int32_t* __restrict__ slot_token,
+                  int l2_prefetch_slices, int prewait_stages, const bf16* __restrict__ xg,
+                  const int32_t* __restrict__ slot_token,
                   unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
                   const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
@@ -612,8 +613,8 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   // first stages' weights before griddepcontrol.wait (see the kernel).
   auto go = [&](auto kernel, int stages, int grid) {
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
-               act, y, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks, mask_words,
-               GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr);
+               act, y, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks,
+               mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int grid = shared_sm_grid(plan, tiles);

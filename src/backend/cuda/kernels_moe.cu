@@ -276,7 +276,8 @@ constexpr int kRtPad = kRtKc + 4;  // shared row stride (floats): 16-byte aligne
 // router_route_k: TOK tokens a block (route_tokens_per_block), kRouteWarpsPerToken warps a token, each with up to
 // kRouteLoads split loads in flight (44 splits at H 2816: 11 a warp, one round). 8 tokens a block (1024 threads, the
 // whole register file of an SM) put the 256 tokens of a canvas on 32 SMs, none shared with the expert blocks that
-// start beside it (PDL); 2 tokens a block put them on 128 SMs in blocks of 256 threads.
+// start beside it (PDL); 2 tokens a block put them on 128 SMs in blocks of 256 threads: 6.2 instead of 10.2 us alone
+// on the H200, the step unchanged (session 11).
 constexpr int kRouteWarpsPerToken = 4, kRouteLoads = 11;
 static_assert(kRtTok % kRtWarps == 0 && kRtExp % 32 == 0, "tile shape");
 
@@ -733,7 +734,7 @@ bool router_tensor_cores() { return g_router_tc && compute_major() >= 8; }
 int g_route_tokens = 2;  // set_route_tokens_per_block
 void set_route_tokens_per_block(int tokens) {
   if (tokens != 2 && tokens != 8)
-    throw_cuda_error("set_route_tokens_per_block", "tokens a block must be 2 or 8", tokens, __FILE__, __LINE__);
+    throw_cuda_error("set_route_tokens_per_block", "tokens a block must be 2 or 8", 0, __FILE__, __LINE__);
   g_route_tokens = tokens;
 }
 int route_tokens_per_block() { return g_route_tokens; }
