@@ -2,6 +2,7 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -413,6 +414,8 @@ class CudaBackend final : public Backend {
     cudaStreamSynchronize(stream_);
     for (auto ev : events_) cudaEventDestroy(ev);
     if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
+    for (StepGraph& g : step_graphs_)
+      if (g.exec) cudaGraphExecDestroy(g.exec);
     gemm_.reset();
     gemm_side_.reset();
     cudaEventDestroy(fork_);
@@ -495,7 +498,7 @@ class CudaBackend final : public Backend {
   }
 
   void denoise(const DenoiseRequest& req, DenoiseResult& out) override {
-    const int L = int(req.canvas.size()), H = cfg_.hidden_size, V = cfg_.vocab_size;
+    const int L = int(req.canvas.size()), V = cfg_.vocab_size;
     if (L == 0) fail("denoise: empty canvas");
     if (L > cfg_.canvas_length) fail("denoise: canvas of {} tokens exceeds canvas_length {}", L, cfg_.canvas_length);
     if (!(req.temperature > 0)) fail("denoise: temperature must be > 0, got {}", req.temperature);
@@ -505,62 +508,19 @@ class CudaBackend final : public Backend {
     check_ids(req.canvas);
     timing_ = opt_.stage_times && opt_.stage_times->enabled;
     n_marks_ = 0;
-    embed(req.canvas);  // synchronizes first, so the start mark below is not behind queued work
-    const float sqrt_h = std::sqrt(float(H));
-    bool have_signal = true;
-    switch (req.self_condition) {
-      case SelfCondition::None: have_signal = false; break;
-      case SelfCondition::CanvasEmbedding:
-        CUDA_CHECK(cudaMemcpyAsync(s_.sig, s_.h, size_t(L) * H * 4, cudaMemcpyDeviceToDevice, stream_));
-        break;
-      case SelfCondition::PreviousStep:
-        if (prev_rows_ != L)
-          fail("denoise: SelfCondition::PreviousStep needs a previous denoise of the same canvas length ({} vs {})",
-               prev_rows_, L);
-        previous_step_sc(L);  // softmax(previous logits / previous T) @ E, exact or over the survivors
-        break;
-      case SelfCondition::External:
-        if (int64_t(req.sc_logits.size()) != int64_t(L) * V)
-          fail("denoise: sc_logits has {} values, expected {} x {}", req.sc_logits.size(), L, V);
-        CUDA_CHECK(cudaMemcpyAsync(s_.logits, req.sc_logits.data(), req.sc_logits.size() * 4, cudaMemcpyHostToDevice,
-                                   stream_));
-        soft_embedding(L, 1.0f);
-        break;
+    if (req.self_condition == SelfCondition::PreviousStep && prev_rows_ != L)
+      fail("denoise: SelfCondition::PreviousStep needs a previous denoise of the same canvas length ({} vs {})",
+           prev_rows_, L);
+    if (req.self_condition == SelfCondition::External && int64_t(req.sc_logits.size()) != int64_t(L) * V)
+      fail("denoise: sc_logits has {} values, expected {} x {}", req.sc_logits.size(), L, V);
+    stage_ids(req.canvas);
+    prev_rows_ = 0;  // the logits buffer is about to hold this step's logits (the SC input, if any, is read first)
+    if (whole_step_graph_applies(req)) {
+      launch_step_graph(req, L);
+    } else {
+      enqueue_denoise(req, L, /*capturing=*/false);
     }
-    prev_rows_ = 0;  // the logits buffer is about to hold this step's logits
     prev_sc_sparse_ok_ = false;
-    const float eps = cfg_.rms_norm_eps;
-    if (have_signal) {
-      if (req.self_condition != SelfCondition::CanvasEmbedding) cuda::scale_f32(s_.sig, size_t(L) * H, sqrt_h, s_.sig, stream_);
-      cuda::rms_norm_f32_to_bf16(s_.sig, L, H, weights_->sc_pre_norm_, eps, s_.x, stream_);
-      gated_mlp(s_.x, L, weights_->sc_gu_, weights_->sc_down_, cfg_.intermediate_size, s_.a);
-      cuda::add_bf16_to_f32(s_.h, s_.a, size_t(L) * H, stream_);
-    }
-    cuda::rms_norm_f32_to_f32(s_.h, L, H, nullptr, eps, s_.h, stream_);
-    mark(kStEmbedSc);
-    if (trace_) {
-      trace_->stages.clear(), trace_->router_logits.clear(), trace_->experts.clear();
-      trace_stage(s_.h, L);
-    }
-    decoder_layers(L);
-    if (trace_) {  // the final norm in f32 (the lm_head reads its bf16 rounding)
-      cuda::rms_norm_f32_to_f32(s_.h, L, H, weights_->final_norm_, eps, s_.xr, stream_);
-      trace_stage(s_.xr, L);
-    }
-    cuda::rms_norm_f32_to_bf16(s_.h, L, H, weights_->final_norm_, eps, s_.x, stream_);
-    gemm_->linear(s_.x, Dt::BF16, L, weights_->embed_, Dt::BF16, V, H, s_.logits, Dt::F32, stream_);
-    mark(kStLmHead);
-    // The probs for a PreviousStep SC input of the next step come out of the same pass (softmax at this T). The
-    // capped logits are written back only for their readers (the host's categorical sampler, the sparse SC's
-    // survivors): a 268 MB write at the full shape, ~50 us.
-    const bool capped_read = req.want_logits || opt_.sc_sparse;
-    cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats,
-                            s_.row_stats_scratch, stream_, s_.probs, capped_read);
-    // Survivors of the next step's sparse SC, with the counts / dropped mass that decide whether it may use them.
-    if (opt_.sc_sparse) cuda::sc_survivors(s_.logits, L, V, req.temperature, s_.stats, s_.sc, stream_);
-    CUDA_CHECK(cudaMemcpyAsync(host_stats_, s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats),
-                               cudaMemcpyDeviceToHost, stream_));
-    mark(kStRowStats);
     if (req.want_logits) {
       out.logits.resize(size_t(L) * V);
       CUDA_CHECK(cudaMemcpyAsync(out.logits.data(), s_.logits, out.logits.size() * 4, cudaMemcpyDeviceToHost, stream_));
@@ -594,6 +554,35 @@ class CudaBackend final : public Backend {
 
   void set_layer_trace(LayerTrace* trace) override { trace_ = trace; }
 
+  // Captures what `enqueue` launches on stream_ (and the streams it forks) into `exec`: patched in place when the
+  // topology is unchanged (cudaGraphExecUpdate), else instantiated afresh.
+  void capture_graph(cudaGraphExec_t& exec, const std::function<void()>& enqueue) {
+    cudaGraph_t graph = nullptr;
+    // Relaxed: the attention launcher may raise a kernel's shared-memory limit (cudaFuncSetAttribute) mid-capture.
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
+    try {
+      enqueue();
+    } catch (...) {
+      if (cudaStreamEndCapture(stream_, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
+      (void)cudaGetLastError();
+      throw;
+    }
+    CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    cudaGraphExecUpdateResultInfo info{};
+    if (!exec || cudaGraphExecUpdate(exec, graph, &info) != cudaSuccess) {
+      (void)cudaGetLastError();  // a failed update is not sticky; instantiate afresh
+      if (exec) CUDA_CHECK(cudaGraphExecDestroy(exec));
+      exec = nullptr;
+      // With dense_mlp_priority the side stream's kernel nodes keep the priority they were captured with.
+      const cudaError_t e =
+          cudaGraphInstantiate(&exec, graph, opt_.dense_mlp_priority ? cudaGraphInstantiateFlagUseNodePriority : 0);
+      cudaGraphDestroy(graph);
+      CUDA_CHECK(e);
+    } else {
+      CUDA_CHECK(cudaGraphDestroy(graph));
+    }
+  }
+
   // The decoder layers of a denoise step, ~40 launches each (1.2k per step), replayed as one CUDA graph so the GPU
   // does not wait on per-launch gaps. The kernels take kv_len_ (ring offsets, positions) by value, so one graph
   // serves all steps of one canvas at one (rows, kv_len); a new pair re-captures and patches the executable in
@@ -609,30 +598,9 @@ class CudaBackend final : public Backend {
     }
     if (!graph_exec_ || graph_rows_ != L || graph_kv_ != kv_len_) {
       graph_rows_ = -1;  // stays invalid if the capture below throws
-      cudaGraph_t graph = nullptr;
-      // Relaxed: the attention launcher may raise a kernel's shared-memory limit (cudaFuncSetAttribute) mid-capture.
-      CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
-      try {
+      capture_graph(graph_exec_, [&] {
         for (int l = 0; l < cfg_.num_layers; ++l) layer(l, Pass::Decoder, L);
-      } catch (...) {
-        if (cudaStreamEndCapture(stream_, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
-        (void)cudaGetLastError();
-        throw;
-      }
-      CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-      cudaGraphExecUpdateResultInfo info{};
-      if (!graph_exec_ || cudaGraphExecUpdate(graph_exec_, graph, &info) != cudaSuccess) {
-        (void)cudaGetLastError();  // a failed update is not sticky; instantiate afresh
-        if (graph_exec_) CUDA_CHECK(cudaGraphExecDestroy(graph_exec_));
-        graph_exec_ = nullptr;
-        // With dense_mlp_priority the side stream's kernel nodes keep the priority they were captured with.
-        const cudaError_t e = cudaGraphInstantiate(
-            &graph_exec_, graph, opt_.dense_mlp_priority ? cudaGraphInstantiateFlagUseNodePriority : 0);
-        cudaGraphDestroy(graph);
-        CUDA_CHECK(e);
-      } else {
-        CUDA_CHECK(cudaGraphDestroy(graph));
-      }
+      });
       graph_rows_ = L, graph_kv_ = kv_len_;
     }
     CUDA_CHECK(cudaGraphLaunch(graph_exec_, stream_));
@@ -678,15 +646,108 @@ class CudaBackend final : public Backend {
         fail("token id {} at position {} is outside the vocabulary [0, {})", ids[t], t, cfg_.vocab_size);
   }
 
+  // Everything a denoise step runs on the GPU, from the canvas ids in host_ids_ (pinned) to the row statistics in
+  // host_stats_ (pinned): eagerly (the decoder layers then as their own graph, decoder_layers), or while the whole step
+  // is being captured (launch_step_graph), when it must not synchronize or read host memory it does not own.
+  void enqueue_denoise(const DenoiseRequest& req, int L, bool capturing) {
+    const int H = cfg_.hidden_size, V = cfg_.vocab_size;
+    embed_staged(L);
+    const float sqrt_h = std::sqrt(float(H));
+    bool have_signal = true;
+    switch (req.self_condition) {
+      case SelfCondition::None: have_signal = false; break;
+      case SelfCondition::CanvasEmbedding:
+        CUDA_CHECK(cudaMemcpyAsync(s_.sig, s_.h, size_t(L) * H * 4, cudaMemcpyDeviceToDevice, stream_));
+        break;
+      case SelfCondition::PreviousStep:
+        previous_step_sc(L);  // softmax(previous logits / previous T) @ E, exact or over the survivors
+        break;
+      case SelfCondition::External:  // never captured: the caller's pageable logits
+        CUDA_CHECK(cudaMemcpyAsync(s_.logits, req.sc_logits.data(), req.sc_logits.size() * 4, cudaMemcpyHostToDevice,
+                                   stream_));
+        soft_embedding(L, 1.0f);
+        break;
+    }
+    const float eps = cfg_.rms_norm_eps;
+    if (have_signal) {
+      if (req.self_condition != SelfCondition::CanvasEmbedding) cuda::scale_f32(s_.sig, size_t(L) * H, sqrt_h, s_.sig, stream_);
+      cuda::rms_norm_f32_to_bf16(s_.sig, L, H, weights_->sc_pre_norm_, eps, s_.x, stream_);
+      gated_mlp(s_.x, L, weights_->sc_gu_, weights_->sc_down_, cfg_.intermediate_size, s_.a);
+      cuda::add_bf16_to_f32(s_.h, s_.a, size_t(L) * H, stream_);
+    }
+    cuda::rms_norm_f32_to_f32(s_.h, L, H, nullptr, eps, s_.h, stream_);
+    mark(kStEmbedSc);
+    if (trace_) {
+      trace_->stages.clear(), trace_->router_logits.clear(), trace_->experts.clear();
+      trace_stage(s_.h, L);
+    }
+    if (capturing) {
+      for (int l = 0; l < cfg_.num_layers; ++l) layer(l, Pass::Decoder, L);
+    } else {
+      decoder_layers(L);
+    }
+    if (trace_) {  // the final norm in f32 (the lm_head reads its bf16 rounding)
+      cuda::rms_norm_f32_to_f32(s_.h, L, H, weights_->final_norm_, eps, s_.xr, stream_);
+      trace_stage(s_.xr, L);
+    }
+    cuda::rms_norm_f32_to_bf16(s_.h, L, H, weights_->final_norm_, eps, s_.x, stream_);
+    gemm_->linear(s_.x, Dt::BF16, L, weights_->embed_, Dt::BF16, V, H, s_.logits, Dt::F32, stream_);
+    mark(kStLmHead);
+    // The probs for a PreviousStep SC input of the next step come out of the same pass (softmax at this T). The
+    // capped logits are written back only for their readers (the host's categorical sampler, the sparse SC's
+    // survivors): a 268 MB write at the full shape, ~50 us.
+    const bool capped_read = req.want_logits || opt_.sc_sparse;
+    cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats,
+                            s_.row_stats_scratch, stream_, s_.probs, capped_read);
+    // Survivors of the next step's sparse SC, with the counts / dropped mass that decide whether it may use them.
+    if (opt_.sc_sparse) cuda::sc_survivors(s_.logits, L, V, req.temperature, s_.stats, s_.sc, stream_);
+    CUDA_CHECK(cudaMemcpyAsync(host_stats_, s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats),
+                               cudaMemcpyDeviceToHost, stream_));
+    mark(kStRowStats);
+  }
+
+  // CudaOptions::whole_step_graph: the steps whose launches depend only on (rows, kv length, temperature, SC mode)
+  // and the device buffers: no trace or stage timing, no logits for the host, no sparse SC (its path is chosen per
+  // step on the host), no caller-provided SC logits.
+  bool whole_step_graph_applies(const DenoiseRequest& req) const {
+    return opt_.whole_step_graph && opt_.cuda_graphs && !trace_ && !timing_ && !req.want_logits && !opt_.sc_sparse &&
+           req.self_condition != SelfCondition::External;
+  }
+  // The whole denoise step (enqueue_denoise) as one CUDA graph: one launch a step instead of ~40 host launches around
+  // the layers' graph, whose host time left the GPU idle ~0.2 ms a step between the row statistics and the first
+  // layer (Nsight Systems, session 11). One executable graph per SC mode (their topologies differ: a canvas's first
+  // step and its later ones would otherwise re-instantiate each other's), captured per (rows, kv length, temperature)
+  // and patched in place as decoder_layers does.
+  void launch_step_graph(const DenoiseRequest& req, int L) {
+    const size_t mode = size_t(req.self_condition);
+    if (mode >= step_graphs_.size()) fail("denoise: unknown self-conditioning mode {}", int(mode));
+    StepGraph& g = step_graphs_[mode];
+    const StepGraphKey key{L, kv_len_, req.temperature};
+    if (!g.exec || !(key == g.key)) {
+      g.key = StepGraphKey{};  // stays invalid if the capture below throws
+      capture_graph(g.exec, [&] { enqueue_denoise(req, L, /*capturing=*/true); });
+      g.key = key;
+    }
+    CUDA_CHECK(cudaGraphLaunch(g.exec, stream_));
+  }
+
   void embed(std::span<const int32_t> ids) {
-    // The pinned buffer is reused by the next chunk: wait until the previous copy out of it has completed.
+    stage_ids(ids);
+    embed_staged(int(ids.size()));
+  }
+  // ids into the pinned buffer, once the previous copy out of it has completed (the buffer is reused by the next
+  // chunk or step; the sync also keeps the start mark of a timed step from landing behind queued work).
+  void stage_ids(std::span<const int32_t> ids) {
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     mark(-1);  // start of a timed denoise step (no-op otherwise)
     std::memcpy(host_ids_, ids.data(), ids.size() * 4);
-    CUDA_CHECK(cudaMemcpyAsync(s_.ids, host_ids_, ids.size() * 4, cudaMemcpyHostToDevice, stream_));
-    // HF multiplies by sqrt(H) in the weight dtype (53.0); the CPU oracle uses f32 sqrt(H), and so do we.
-    cuda::embed_scale(s_.ids, int(ids.size()), weights_->embed_, cfg_.hidden_size, std::sqrt(float(cfg_.hidden_size)),
-                      s_.h, stream_);
+  }
+  // The staged ids to the device, then h = E[ids] * sqrt(H). HF multiplies by sqrt(H) in the weight dtype (53.0);
+  // the CPU oracle uses f32 sqrt(H), and so do we.
+  void embed_staged(int n) {
+    CUDA_CHECK(cudaMemcpyAsync(s_.ids, host_ids_, size_t(n) * 4, cudaMemcpyHostToDevice, stream_));
+    cuda::embed_scale(s_.ids, n, weights_->embed_, cfg_.hidden_size, std::sqrt(float(cfg_.hidden_size)), s_.h,
+                      stream_);
   }
 
   // sig = softmax(logits / T) @ E (the sqrt(H) factor is applied by the caller)
@@ -1037,6 +1098,17 @@ class CudaBackend final : public Backend {
   std::vector<int> mark_stage_;
   size_t n_marks_ = 0;
   cudaGraphExec_t graph_exec_ = nullptr;  // the decoder layers, see decoder_layers()
+  struct StepGraphKey {
+    int rows = -1;
+    int64_t kv_len = -1;
+    float temperature = 0.0f;
+    bool operator==(const StepGraphKey&) const = default;
+  };
+  struct StepGraph {
+    cudaGraphExec_t exec = nullptr;
+    StepGraphKey key;
+  };
+  std::array<StepGraph, 4> step_graphs_;  // a whole denoise step per SelfCondition, see launch_step_graph()
   int graph_rows_ = -1;
   int64_t graph_kv_ = -1;
 };
