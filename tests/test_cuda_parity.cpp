@@ -393,6 +393,24 @@ TEST_P(CudaParity, LayerTrace) {
   t.denoise(req, "after truncate");
 }
 
+// The conditioned fixture (tiny-c), its generation options and prompt, and the tests' CUDA options for it.
+struct ConditionedCuda {
+  std::unique_ptr<LoadedModel> model;
+  diffusion::GenerationOptions o;
+  std::vector<int32_t> prompt;
+  CudaOptions opt;
+};
+ConditionedCuda conditioned_cuda() {
+  ConditionedCuda c;
+  c.model = load_model(conditioned::fixture_dir());
+  c.o = conditioned::options(*c.model);
+  c.prompt = conditioned::prompt();
+  c.opt = cuda_test_options();
+  c.opt.max_context = 1024;
+  c.opt.progress = false;
+  return c;
+}
+
 // ---- Well-conditioned fixture: generation identical --------------------------------------------------------------
 // tiny-c has no near-ties (ConditionedFixture.GenerationHasNoNearTies measures the margins on the CPU), so unlike
 // the chaotic tiny-{a,b,v,g} the bf16 backend must reproduce the f32 generation exactly: issue 5's "generation
@@ -400,12 +418,7 @@ TEST_P(CudaParity, LayerTrace) {
 TEST(CudaParity, ConditionedGenerationIdentical) {
   auto info = cuda::query_device(0);
   if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
-  auto model = load_model(conditioned::fixture_dir());
-  const auto o = conditioned::options(*model);
-  const auto prompt = conditioned::prompt();
-  CudaOptions opt = cuda_test_options();
-  opt.max_context = 1024;
-  opt.progress = false;
+  auto [model, o, prompt, opt] = conditioned_cuda();
   {  // one denoise after the prompt: accumulated error through the whole stack, asserted here
     auto cpu = make_cpu_backend(*model, 2);
     auto gpu = make_cuda_backend(*model, opt);
@@ -497,12 +510,7 @@ TEST(CudaParity, SharedWeightsBackendsIndependent) {
 TEST(CudaParity, WholeStepGraphMatchesLayerGraph) {
   auto info = cuda::query_device(0);
   if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
-  auto model = load_model(conditioned::fixture_dir());
-  const auto o = conditioned::options(*model);
-  const auto prompt = conditioned::prompt();
-  CudaOptions layers = cuda_test_options();
-  layers.max_context = 1024;
-  layers.progress = false;
+  auto [model, o, prompt, layers] = conditioned_cuda();
   layers.whole_step_graph = false;
   CudaOptions whole = layers;
   whole.whole_step_graph = true;
