@@ -47,6 +47,25 @@ std::vector<std::string>& report() {
   return r;
 }
 
+// The algorithm of a pinned configuration that the overall heuristic did not return (the tuner's per-id search
+// found it): initialized from its id, given its other attributes, then checked against this problem.
+bool algo_of_config(cublasLtHandle_t h, const AlgoConfig& c, cudaDataType_t at, cudaDataType_t bt, cudaDataType_t ct,
+                    cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                    cublasLtMatrixLayout_t cl, size_t workspace_bytes, cublasLtMatmulAlgo_t& algo) {
+  if (cublasLtMatmulAlgoInit(h, CUBLAS_COMPUTE_32F, CUDA_R_32F, at, bt, ct, ct, int(c[0]), &algo) !=
+      CUBLAS_STATUS_SUCCESS)
+    return false;
+  for (int attr = 1; attr < 9; ++attr) {
+    const uint64_t v = uint64_t(c[size_t(attr)]);  // little endian: the attribute's low bytes, as config_of reads them
+    if (cublasLtMatmulAlgoConfigSetAttribute(&algo, cublasLtMatmulAlgoConfigAttributes_t(attr), &v,
+                                             attr >= 7 ? 2 : 4) != CUBLAS_STATUS_SUCCESS)
+      return false;
+  }
+  cublasLtMatmulHeuristicResult_t r{};
+  return cublasLtMatmulAlgoCheck(h, op, a, b, cl, cl, &algo, &r) == CUBLAS_STATUS_SUCCESS &&
+         r.workspaceSize <= workspace_bytes;
+}
+
 std::string config_text(const AlgoConfig& c) {
   std::string t = "{";
   for (size_t i = 0; i < c.size(); ++i) t += (i ? ", " : "") + std::to_string(c[i]);
@@ -154,6 +173,10 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
                                                     &strides[i], sizeof strides[i]));
     }
   }
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
+  const bool tune = g_tuning && capturing == cudaStreamCaptureStatusNone;
+  const cudaDataType_t a_type = cuda_type(at), b_type = cuda_type(bt), c_type = cuda_type(ct);
   cublasLtMatmulPreference_t pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
@@ -163,13 +186,46 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
   int found = 0;
   CUBLAS_CHECK(
       cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, kCandidates, res.data(), &found));
+  res.resize(size_t(found));
+  if (tune) {
+    // The overall heuristic returns ~8 candidates; asked once per algorithm id (CUBLASLT_SEARCH_LIMITED_BY_ALGO_ID)
+    // it offers more configurations (tiles, split-K, stages) to time. New configurations only.
+    const uint32_t mode = CUBLASLT_SEARCH_LIMITED_BY_ALGO_ID;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_SEARCH_MODE, &mode, sizeof mode));
+    std::vector<int> ids(128);
+    int n_ids = 0;
+    if (cublasLtMatmulAlgoGetIds(handle_, CUBLAS_COMPUTE_32F, CUDA_R_32F, a_type, b_type, c_type, c_type,
+                                 int(ids.size()), ids.data(), &n_ids) != CUBLAS_STATUS_SUCCESS)
+      n_ids = 0;
+    for (int i = 0; i < n_ids; ++i) {
+      std::vector<cublasLtMatmulHeuristicResult_t> per(8);
+      bool inited = true;
+      for (auto& r : per)
+        inited = inited && cublasLtMatmulAlgoInit(handle_, CUBLAS_COMPUTE_32F, CUDA_R_32F, a_type, b_type, c_type,
+                                                  c_type, ids[size_t(i)], &r.algo) == CUBLAS_STATUS_SUCCESS;
+      int got = 0;
+      if (!inited || cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref, int(per.size()),
+                                                    per.data(), &got) != CUBLAS_STATUS_SUCCESS)
+        got = 0;
+      for (int j = 0; j < got; ++j) {
+        const AlgoConfig c = config_of(per[size_t(j)].algo);
+        bool seen = false;
+        for (const auto& r : res) seen = seen || config_of(r.algo) == c;
+        if (!seen) res.push_back(per[size_t(j)]);
+      }
+    }
+    found = int(res.size());
+  }
   cublasLtMatmulPreferenceDestroy(pref);
   // Precision policy: partial sums of a split-K product are added in f32, never in a bf16 output.
+  auto acceptable = [&](const cublasLtMatmulAlgo_t& algo) {
+    const AlgoConfig c = config_of(algo);
+    return !(ct == Dt::BF16 && c[2] > 1 && c[3] != CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE);
+  };
   std::vector<int> ok;
   for (int i = 0; i < found; ++i) {
     if (res[size_t(i)].state != CUBLAS_STATUS_SUCCESS) continue;
-    const AlgoConfig c = config_of(res[size_t(i)].algo);
-    if (ct == Dt::BF16 && c[2] > 1 && c[3] != CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) continue;
+    if (!acceptable(res[size_t(i)].algo)) continue;
     ok.push_back(i);
   }
   if (ok.empty())
@@ -181,12 +237,24 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
     if (t.sm != sm_ || t.transa != transa || t.m != m || t.n != n || t.k != k || t.at != int(at) ||
         t.bt != int(bt) || t.ct != int(ct) || t.batch != table_batch)
       continue;
+    bool matched = false;
     for (int i : ok)
-      if (config_of(res[size_t(i)].algo) == t.config) pick = i;
+      if (config_of(res[size_t(i)].algo) == t.config) pick = i, matched = true;
+    // A configuration found by the per-id search is not among the overall heuristic's: built from its attributes.
+    if (!matched) {
+      cublasLtMatmulHeuristicResult_t built{};
+      if (algo_of_config(handle_, t.config, a_type, b_type, c_type, p.op, p.a, p.b, p.c, workspace_bytes_,
+                         built.algo) &&
+          acceptable(built.algo)) {
+        built.state = CUBLAS_STATUS_SUCCESS;
+        res.push_back(built);
+        pick = int(res.size()) - 1;
+        ok.push_back(pick);  // timed too in tuning mode
+        found = int(res.size());
+      }
+    }
   }
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
-  if (g_tuning && capturing == cudaStreamCaptureStatusNone) {
+  if (tune) {
     // Time every acceptable candidate on the real operands (best of 3 rounds of 10 calls, after 2 warm-ups).
     cudaEvent_t e0, e1;
     CUDA_CHECK(cudaEventCreate(&e0));

@@ -6,8 +6,10 @@
 // its first pick is often not the fastest (e.g. too few tiles to fill 132 SMs without split-K). `gemm_tuned.inc`
 // pins, per GPU architecture and shape, the configuration (algo id, tile, split-K, reduction, swizzle, stages,
 // cluster) measured fastest by `diffgemma bench --tune-gemm`; it is chosen among the heuristic's candidates by
-// matching that configuration, so a fixed table gives a fixed algorithm (deterministic results from run to run),
-// and a shape or GPU not in the table falls back to the heuristic's first pick. Split-K candidates whose partial
+// matching that configuration (or, when the tuner found it by asking the heuristic per algorithm id and the overall
+// heuristic does not return it, built from its attributes and checked by cublasLtMatmulAlgoCheck), so a fixed table
+// gives a fixed algorithm (deterministic results from run to run), and a shape or GPU not in the table falls back
+// to the heuristic's first pick. Split-K candidates whose partial
 // sums would be reduced in bf16 are never used (precision policy: accumulation in f32).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -23,7 +25,8 @@ namespace dg::cuda {
 enum class Dt { BF16, F32 };
 
 // Tuning mode (`diffgemma bench --tune-gemm`): every new plan times all acceptable candidates on its first call (it
-// synchronizes the stream; never during stream capture) and keeps the fastest; one report line per shape.
+// synchronizes the stream; never during stream capture) and keeps the fastest; one report line per shape. The
+// candidates: the heuristic's overall ones and, per algorithm id, the ones it offers for that id alone.
 void set_gemm_tuning(bool on);
 // A/B (bench --untuned-gemm): ignore the pinned algorithms of gemm_tuned.inc, take cuBLASLt's heuristic first pick.
 // Set before the first GEMM of a shape is planned.
