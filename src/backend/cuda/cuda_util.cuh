@@ -57,6 +57,9 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// The shared-memory address (what ldmatrix, cp.async and the mbarrier / TMA instructions take) of a generic pointer
+// into shared memory.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 // Tensor-core fragments (sm_80+): D += A B for one m16n8k16 tile (bf16 in, f32 accumulate); four 8x8 b16 matrices
 // from shared memory (lane l gives the address of row l % 8 of matrix l / 8), plain or transposed.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {

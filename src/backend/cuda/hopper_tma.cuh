@@ -7,10 +7,12 @@
 
 #include <cstdint>
 
+#include "backend/cuda/cuda_util.cuh"
+
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 namespace dg::cuda::hopper {
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+using dg::cuda::smem_u32;  // cuda_util.cuh
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");

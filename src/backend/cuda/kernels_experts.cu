@@ -179,13 +179,6 @@ void raise_smem_limit() {
 constexpr int kStreamThreads = 256;  // 8 warps: 2 (32-row halves of the 64-row m-tile) x 4 (column groups)
 constexpr int SM_ = 64;              // rows per m-tile
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* p) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(a));
-}
-
 template <int GNI, int SK, int S>
 struct StreamCfg {
   static constexpr int LD = SK + 8;  // padded row (elements): ldmatrix rows land in distinct banks
@@ -312,15 +305,17 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       for (int kk = 0; kk < SK; kk += 16) {
         uint32_t b[NF][2];
 #pragma unroll
-        for (int p = 0; p < NF / 2; ++p)
-          ldmatrix_x4(b[2 * p][0], b[2 * p][1], b[2 * p + 1][0], b[2 * p + 1][1],
-                      Ws + (frow(2 * p + (lane >> 4)) + (lane & 7)) * LD + kk + ((lane >> 3) & 1) * 8);
+        for (int p = 0; p < NF / 2; ++p) {
+          uint32_t t[4];
+          ldsm_x4(t, smem_u32(Ws + (frow(2 * p + (lane >> 4)) + (lane & 7)) * LD + kk + ((lane >> 3) & 1) * 8));
+          b[2 * p][0] = t[0], b[2 * p][1] = t[1], b[2 * p + 1][0] = t[2], b[2 * p + 1][1] = t[3];
+        }
         uint32_t a[4];
-        ldmatrix_x4(a[0], a[1], a[2], a[3], Xs + (wm * 32 + (lane & 15)) * LD + kk + (lane >> 4) * 8);
+        ldsm_x4(a, smem_u32(Xs + (wm * 32 + (lane & 15)) * LD + kk + (lane >> 4) * 8));
 #pragma unroll
         for (int j = 0; j < NF; ++j) mma_bf16(acc[0][j], a, b[j][0], b[j][1]);
         if (two) {
-          ldmatrix_x4(a[0], a[1], a[2], a[3], Xs + (wm * 32 + 16 + (lane & 15)) * LD + kk + (lane >> 4) * 8);
+          ldsm_x4(a, smem_u32(Xs + (wm * 32 + 16 + (lane & 15)) * LD + kk + (lane >> 4) * 8));
 #pragma unroll
           for (int j = 0; j < NF; ++j) mma_bf16(acc[1][j], a, b[j][0], b[j][1]);
         }

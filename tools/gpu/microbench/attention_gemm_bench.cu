@@ -20,14 +20,8 @@
 #include <cstring>
 #include <vector>
 
-#define CK(x)                                                                      \
-  do {                                                                             \
-    auto e_ = (x);                                                                 \
-    if (e_ != 0) {                                                                 \
-      std::printf("error %d at %s:%d\n", int(e_), __FILE__, __LINE__);            \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
+#include "microbench_check.h"
+
 
 using bf16 = __nv_bfloat16;
 

@@ -8,7 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define CK(x) do { auto e_ = (x); if (e_ != 0) { std::printf("error %d at %s:%d\n", int(e_), __FILE__, __LINE__); std::exit(1); } } while (0)
+#include "microbench_check.h"
+
 
 int main() {
   cublasLtHandle_t h;

@@ -29,14 +29,8 @@
 
 #include "backend/cuda/gemm.h"
 
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    auto e_ = (x);                                                                         \
-    if (e_ != 0) {                                                                         \
-      std::printf("FAIL: error %d (%s) at %s:%d\n", int(e_), #x, __FILE__, __LINE__);      \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
+#include "microbench_check.h"
+
 
 using bf16 = __nv_bfloat16;
 using dg::cuda::Dt;

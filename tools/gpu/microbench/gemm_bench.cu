@@ -10,7 +10,8 @@
 #include <cstdio>
 #include <vector>
 
-#define CK(x) do { auto e_ = (x); if (e_ != 0) { std::printf("error %d at %s:%d\n", int(e_), __FILE__, __LINE__); std::exit(1); } } while (0)
+#include "microbench_check.h"
+
 
 struct Shape { const char* name; int out, T, in; bool through_table; int f32in = 0; };  // f32in 1: f32, 2: tf32
 

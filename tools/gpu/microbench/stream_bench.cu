@@ -1,4 +1,4 @@
-// Build (no GPU needed): /usr/local/cuda/bin/nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I src -cudart static tools/gpu/microbench/stream_bench.cu -o build-mb/stream_bench
+// Build (no GPU needed): the CMake target microbench_stream (it links the engine's CUDA library for its tensor maps).
 //
 // How fast can one layer's gate_up expert weights (128 x 1408 x 2816 bf16, 1.015 GB) be streamed into shared memory,
 // by load mechanism, with no math? The TMA expert ring (kernels_experts_tma.cu) with its consumers reduced to "wait
@@ -19,7 +19,6 @@
 // Prints median ms of 20 and TB/s. The reads feed a sink the compiler cannot drop (the buffer is a constant, so no
 // result is checked: this is a timing probe, not a kernel).
 #include <cuda.h>
-#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -30,18 +29,13 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/hopper_tma.cuh"
+
+#include "microbench_check.h"
 
 using namespace dg::cuda::hopper;
 
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    auto e_ = (x);                                                                         \
-    if (e_ != 0) {                                                                         \
-      std::printf("FAIL: error %d (%s) at %s:%d\n", int(e_), #x, __FILE__, __LINE__);      \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
 
 namespace {
 
@@ -157,18 +151,11 @@ __global__ void __launch_bounds__(32 * (kConsumerWarps + PWARPS))
   if (x == 0x12345678u) atomicAdd(sink, 1u);
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 g_encode = nullptr;
-
+// The engine's tensor map of these rows (tensor_map.cpp): 64 x 64 boxes, 128-byte swizzle, L2 promotion 256 B.
 CUtensorMap make_map(const void* p) {
+  const dg::cuda::TmaMap t = dg::cuda::tma_map_bf16_rows(static_cast<const dg::cuda::bf16*>(p), kRows, kH, 64, 256);
   CUtensorMap m;
-  std::memset(&m, 0, sizeof m);
-  const cuuint64_t dims[2] = {uint64_t(kH), uint64_t(kRows)};
-  const cuuint64_t strides[1] = {uint64_t(kH) * 2};
-  const cuuint32_t box[2] = {64, 64};
-  const cuuint32_t estr[2] = {1, 1};
-  CK(g_encode(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(p), dims, strides, box, estr,
-              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
+  std::memcpy(&m, &t, sizeof m);
   return m;
 }
 
@@ -220,14 +207,6 @@ int main(int argc, char** argv) {
   int dev = 0, sms = 0;
   CK(cudaGetDevice(&dev));
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  cudaDriverEntryPointQueryResult q;
-  void* fn = nullptr;
-  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
-  if (q != cudaDriverEntryPointSuccess || fn == nullptr) {
-    std::printf("FAIL: cuTensorMapEncodeTiled not found\n");
-    return 1;
-  }
-  g_encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   char* w = nullptr;
   unsigned* sink = nullptr;
   CK(cudaMalloc(&w, size_t(kBytes)));
