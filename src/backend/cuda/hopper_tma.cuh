@@ -1,7 +1,8 @@
 #pragma once
-// Hopper (sm_90a) PTX wrappers shared by the TMA expert kernels (kernels_experts_tma.cu) and their microbench
-// (tools/gpu/microbench/experts_wgmma_bench.cu): shared-memory mbarriers, 2D TMA loads into shared memory, the wgmma
-// descriptor of a 128-byte-swizzled K-major tile, and wgmma m64n32k16. Spellings as in CUTLASS's cute/arch.
+// Hopper (sm_90a) PTX wrappers shared by the TMA expert kernels (kernels_experts_tma.cu) and their microbenches
+// (tools/gpu/microbench/experts_wgmma_bench.cu, stream_bench.cu): shared-memory mbarriers and a trapping wait on
+// them, 2D TMA loads into shared memory, the wgmma descriptor of a 128-byte-swizzled K-major tile, and wgmma
+// m64n32k16. Spellings as in CUTLASS's cute/arch.
 // Only code compiled for sm_90a may call them: the device passes of other architectures do not see them.
 #include <cuda.h>
 
@@ -47,6 +48,25 @@ __device__ __forceinline__ uint64_t globaltimer() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+
+// Spins until ready() holds. A lost TMA transaction or count would otherwise hang the process with the GPU busy:
+// after 10 s (the clock read every kCheckMask + 1 spins) the kernel traps instead, a launch error the caller reports.
+template <uint32_t kCheckMask, class Ready>
+__device__ __forceinline__ void spin_until(Ready ready) {
+  uint64_t t0 = 0;
+  for (uint32_t spin = 0;; ++spin) {
+    if (ready()) return;
+    if ((spin & kCheckMask) == 0) {
+      const uint64_t t = globaltimer();
+      if (spin == 0) t0 = t;
+      else if (t - t0 > 10000000000ull) __trap();
+    }
+  }
+}
+// Waits for the phase of parity `parity` of the barrier.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  spin_until<1023u>([&] { return mbar_try_wait(bar, parity); });
 }
 
 // 2D tile load: the box at coordinates (c0 = column, c1 = row) of the tensor map into shared memory, completing

@@ -65,24 +65,6 @@ static_assert(kStageBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte align
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DG_EXPERTS_TMA 1
 using namespace hopper;
-// Spins until ready() holds. A lost TMA transaction or count would otherwise hang the process with the GPU busy:
-// after 10 s (the clock read every kCheckMask + 1 spins) the kernel traps instead, a launch error the caller reports.
-template <uint32_t kCheckMask, class Ready>
-__device__ __forceinline__ void spin_until(Ready ready) {
-  uint64_t t0 = 0;
-  for (uint32_t spin = 0;; ++spin) {
-    if (ready()) return;
-    if ((spin & kCheckMask) == 0) {
-      const uint64_t t = globaltimer();
-      if (spin == 0) t0 = t;
-      else if (t - t0 > 10000000000ull) __trap();
-    }
-  }
-}
-// Waits for the phase of parity `parity`.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  spin_until<1023u>([&] { return mbar_try_wait(bar, parity); });
-}
 // The fused kernel's wait for a count (ld.acquire: the writes released before the count's increments are visible to
 // this thread's loads after it).
 __device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {

@@ -45,18 +45,6 @@ constexpr int kTilesN = kI / 64, kTiles = kE * kTilesN, kNk = kH / 64;
 constexpr int kStage = 16384;                // two 64 x 64 bf16 boxes
 constexpr int kConsumerWarps = 4;
 
-__device__ __forceinline__ void wait_bar(uint32_t bar, uint32_t parity) {
-  uint64_t t0 = 0;
-  for (uint32_t spin = 0;; ++spin) {
-    if (mbar_try_wait(bar, parity)) return;
-    if ((spin & 1023) == 0) {
-      const uint64_t t = globaltimer();
-      if (spin == 0) t0 = t;
-      else if (t - t0 > 2000000000ull) __trap();
-    }
-  }
-}
-
 __global__ void plain_k(const uint4* __restrict__ p, size_t n16, unsigned* sink) {
   unsigned x = 0;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
@@ -106,7 +94,7 @@ __global__ void __launch_bounds__(32 * (kConsumerWarps + PWARPS))
     for (int tile = int(blockIdx.x); tile < kTiles; tile += int(gridDim.x)) {
       for (int kt = 0; kt < kNk; ++kt, ++it) {
         const int s = int(it % STAGES);
-        wait_bar(empty0 + 8 * s, ((it / STAGES) & 1u) ^ 1u);
+        mbar_wait(empty0 + 8 * s, ((it / STAGES) & 1u) ^ 1u);
         const uint32_t st = base + uint32_t(s) * kStage, full = full0 + 8 * s;
         if constexpr (MODE == kTma) {
           const int e = tile / kTilesN, nt = tile % kTilesN, row_a = e * 2 * kI + nt * 64;
@@ -141,7 +129,7 @@ __global__ void __launch_bounds__(32 * (kConsumerWarps + PWARPS))
   for (int tile = int(blockIdx.x); tile < kTiles; tile += int(gridDim.x)) {
     for (int kt = 0; kt < kNk; ++kt, ++it) {
       const int s = int(it % STAGES);
-      wait_bar(full0 + 8 * s, (it / STAGES) & 1u);
+      mbar_wait(full0 + 8 * s, (it / STAGES) & 1u);
       __syncwarp();
       if (MODE != kTma) x ^= ld_shared_s32(base + uint32_t(s) * kStage + uint32_t(warp * 128 + lane) * 4u);
       __syncwarp();
