@@ -103,6 +103,28 @@ TEST(CudaKernels, EmbedScale) {
   EXPECT_LE(rel_err(out.get(), want), 1e-7);
 }
 
+// copy_words into mapped pinned host memory (the whole-step graph's statistics) and device to device, at sizes that
+// leave partial blocks and one that needs the grid-stride loop (more than 1024 blocks of 256 words).
+TEST(CudaKernels, CopyWords) {
+  REQUIRE_GPU();
+  for (const size_t n : {size_t(1), size_t(7), size_t(2048) + 3, size_t(1024) * 256 * 2 + 77}) {
+    std::vector<float> src = rnd(n);
+    Dev<float> dsrc(n), ddst(n);
+    dsrc.put(src);
+    copy_words(dsrc.p, n, ddst.p, nullptr);
+    EXPECT_EQ(0, std::memcmp(ddst.get().data(), src.data(), n * 4)) << n;
+    float* host = nullptr;
+    ASSERT_EQ(cudaSuccess, cudaHostAlloc(reinterpret_cast<void**>(&host), n * 4, cudaHostAllocMapped));
+    std::fill(host, host + n, -1.0f);
+    float* mapped = nullptr;
+    ASSERT_EQ(cudaSuccess, cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped), host, 0));
+    copy_words(dsrc.p, n, mapped, nullptr);
+    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    EXPECT_EQ(0, std::memcmp(host, src.data(), n * 4)) << n;
+    cudaFreeHost(host);
+  }
+}
+
 // n = 203: the scalar kernels; 1000 and 2816 (the model's H): the 16-byte vector paths (NV 1 and 3).
 TEST(CudaKernels, RmsNormVariants) {
   REQUIRE_GPU();

@@ -114,6 +114,16 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
 
   add("embed_scale", std::to_string(T) + " ids, H " + std::to_string(H), double(T) * H * 6, 0,
       [=](cudaStream_t st) { cuda::embed_scale(ids, T, embed, H, 53.0f, h, st); });
+  // The whole-step graph's statistics download: a canvas of DeviceRowStats into mapped pinned host memory.
+  const size_t stat_words = size_t(T) * sizeof(cuda::DeviceRowStats) / 4;
+  uint32_t* stats_host = nullptr;
+  uint32_t* stats_mapped = nullptr;
+  CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&stats_host), stat_words * 4, cudaHostAllocMapped));
+  const std::unique_ptr<void, void (*)(void*)> stats_host_owner(stats_host, [](void* p) { cudaFreeHost(p); });
+  CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&stats_mapped), stats_host, 0));
+  const float* stats_src = h;
+  add("copy_words", std::to_string(T) + " row stats to mapped host memory", double(stat_words) * 8, 0,
+      [=](cudaStream_t st) { cuda::copy_words(stats_src, stat_words, stats_mapped, st); });
   add("rms_norm_f32_to_bf16", tH, double(T) * H * 6, 0,
       [=](cudaStream_t st) { cuda::rms_norm_f32_to_bf16(h, T, H, w_h, eps, x1, st); });
   add("add_rms_norm_pre_ffn", tH, double(T) * H * 18, 0, [=](cudaStream_t st) {

@@ -406,8 +406,12 @@ class CudaBackend final : public Backend {
     gemm_ = std::make_unique<cuda::Gemm>();
     // its own workspace: runs concurrently with gemm_
     gemm_side_ = std::make_unique<cuda::Gemm>(size_t(64) << 20, opt_.dense_mlp_sms);
-    CUDA_CHECK(cudaMallocHost(&host_ids_, size_t(tm_) * sizeof(int32_t)));
-    CUDA_CHECK(cudaMallocHost(&host_stats_, size_t(cfg_.canvas_length) * sizeof(cuda::DeviceRowStats)));
+    // Mapped: a whole-step graph reads the ids and writes the row statistics there from its kernels (no memcpy nodes).
+    CUDA_CHECK(cudaHostAlloc(&host_ids_, size_t(tm_) * sizeof(int32_t), cudaHostAllocMapped));
+    CUDA_CHECK(cudaHostAlloc(&host_stats_, size_t(cfg_.canvas_length) * sizeof(cuda::DeviceRowStats),
+                             cudaHostAllocMapped));
+    CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_ids_), host_ids_, 0));
+    CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_stats_), host_stats_, 0));
   }
 
   ~CudaBackend() override {
@@ -651,7 +655,13 @@ class CudaBackend final : public Backend {
   // is being captured (launch_step_graph), when it must not synchronize or read host memory it does not own.
   void enqueue_denoise(const DenoiseRequest& req, int L, bool capturing) {
     const int H = cfg_.hidden_size, V = cfg_.vocab_size;
-    embed_staged(L);
+    // Captured: the embedding reads the pinned ids where the host wrote them, and the statistics go back by a kernel
+    // below: with memcpy nodes the graph's first kernel started ~80 us after its launch (H200 trace, session 12).
+    if (capturing) {
+      cuda::embed_scale(mapped_ids_, L, weights_->embed_, H, std::sqrt(float(H)), s_.h, stream_);
+    } else {
+      embed_staged(L);
+    }
     const float sqrt_h = std::sqrt(float(H));
     bool have_signal = true;
     switch (req.self_condition) {
@@ -701,8 +711,13 @@ class CudaBackend final : public Backend {
                             s_.row_stats_scratch, stream_, s_.probs, capped_read);
     // Survivors of the next step's sparse SC, with the counts / dropped mass that decide whether it may use them.
     if (opt_.sc_sparse) cuda::sc_survivors(s_.logits, L, V, req.temperature, s_.stats, s_.sc, stream_);
-    CUDA_CHECK(cudaMemcpyAsync(host_stats_, s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats),
-                               cudaMemcpyDeviceToHost, stream_));
+    if (capturing) {
+      static_assert(sizeof(cuda::DeviceRowStats) % 4 == 0);
+      cuda::copy_words(s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats) / 4, mapped_stats_, stream_);
+    } else {
+      CUDA_CHECK(cudaMemcpyAsync(host_stats_, s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats),
+                                 cudaMemcpyDeviceToHost, stream_));
+    }
     mark(kStRowStats);
   }
 
@@ -1089,6 +1104,8 @@ class CudaBackend final : public Backend {
   cuda::TmaMap xs_map_{}, acte_map_{};  // over the padded rows of s_.xs / s_.acte (box M rows)
   int32_t* host_ids_ = nullptr;
   cuda::DeviceRowStats* host_stats_ = nullptr;
+  int32_t* mapped_ids_ = nullptr;  // the device's addresses of the two pinned buffers above
+  cuda::DeviceRowStats* mapped_stats_ = nullptr;
   int64_t kv_len_ = 0;
   int prev_rows_ = 0;
   bool prev_sc_sparse_ok_ = false;  // the previous step's survivors may serve this step's SC (sc_sparse)

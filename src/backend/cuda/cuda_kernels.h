@@ -17,6 +17,9 @@ class Gemm;  // gemm.h
 // ---- elementwise / row kernels (kernels_rows.cu) ----
 // out[t, :] = E[ids[t], :] * scale (f32 out; the residual stream is f32).
 void embed_scale(const int32_t* ids, int T, const bf16* E, int H, float scale, float* out, cudaStream_t s);
+// dst[i] = src[i] for `words` 32-bit words, as a kernel (dst may be mapped pinned host memory: a CUDA graph then needs
+// no memcpy node for it). Both 4-byte aligned.
+void copy_words(const void* src, size_t words, void* dst, cudaStream_t s);
 // y = x * (mean(x^2) + eps)^-1/2 * w  (w == nullptr: no scale); one row of n per block. Any in/out types.
 void rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* w, float eps, bf16* y, cudaStream_t s);
 void rms_norm_f32_to_f32(const float* x, int rows, int n, const float* w, float eps, float* y, cudaStream_t s);

@@ -1,5 +1,6 @@
 // Row-wise and elementwise kernels: embedding, RMSNorm variants, q/k/v norm + RoPE, GELU gate, KV writes,
 // softcap + sampler row statistics, softmax for the SC soft embedding, synthetic weight fill.
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
 #include <cstdio>
@@ -18,6 +19,15 @@ __global__ void embed_scale_k(const int32_t* ids, const bf16* E, int H, float sc
   const int t = blockIdx.x;
   const bf16* row = E + size_t(ids[t]) * H;
   for (int i = threadIdx.x; i < H; i += blockDim.x) out[size_t(t) * H + i] = __bfloat162float(row[i]) * scale;
+}
+
+// A plain copy of 32-bit words, PDL-launched: the whole-step graph's row statistics into mapped pinned host memory
+// (a kernel node instead of a memcpy node; see copy_words).
+__global__ void copy_words_k(const uint32_t* src, size_t n, uint32_t* dst) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
 }
 
 template <class Out>
@@ -758,6 +768,11 @@ void embed_scale(const int32_t* ids, int T, const bf16* E, int H, float scale, f
   if (T == 0) return;
   embed_scale_k<<<T, kRowThreads, 0, s>>>(ids, E, H, scale, out);
   CUDA_CHECK_LAUNCH();
+}
+void copy_words(const void* src, size_t words, void* dst, cudaStream_t s) {
+  if (words == 0) return;
+  launch_pdl(copy_words_k, dim3(unsigned(std::min<size_t>((words + kRowThreads - 1) / kRowThreads, 1024))),
+             dim3(kRowThreads), 0, s, static_cast<const uint32_t*>(src), words, static_cast<uint32_t*>(dst));
 }
 void rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* w, float eps, bf16* y, cudaStream_t s) {
   if (rows == 0) return;
