@@ -16,8 +16,11 @@ LD_LIBRARY_PATH="$PWD/build-gpu-dist/lib:$(dirname "$cublas")" timeout 300 "$NSY
   -o /tmp/step build-gpu-dist/diffgemma bench ${BENCH_ARGS:---contexts 4096 --prefill 512 --fixed-steps 0 --reps 12} \
   >"$OUT/nsys.log" 2>&1
 LD_LIBRARY_PATH="$PWD/build-prof/lib" timeout 300 "$base/QdstrmImporter" -i /tmp/step.qdstrm >>"$OUT/nsys.log" 2>&1
-timeout 300 "$NSYS" stats --report cuda_gpu_trace --format csv -o /tmp/step /tmp/step.nsys-rep >>"$OUT/nsys.log" 2>&1
+timeout 300 "$NSYS" stats --report cuda_gpu_trace,cuda_api_trace --format csv -o /tmp/step /tmp/step.nsys-rep \
+  >>"$OUT/nsys.log" 2>&1
 gzip -c /tmp/step_cuda_gpu_trace.csv >"$OUT/step_cuda_gpu_trace.csv.gz"
+# The host's side (launch and synchronize calls), to line up with the GPU trace by correlation id.
+[ -f /tmp/step_cuda_api_trace.csv ] && gzip -c /tmp/step_cuda_api_trace.csv >"$OUT/step_cuda_api_trace.csv.gz"
 python3 tools/gpu/profile_step.py /tmp/step_cuda_gpu_trace.csv --steps 10 >"$OUT/profile.txt" 2>&1
 tail -5 "$OUT/nsys.log"
 cat "$OUT/profile.txt"
