@@ -412,8 +412,7 @@ TEST(CudaKernels, RouteTopK) {
   }
 }
 
-// router_top_k (two launches: f32 GEMM partials split over H, then top-k and the expert masks; or one launch of
-// clusters, set_router_cluster, where the GPU has clusters) against the CPU:
+// router_top_k (two launches: f32 GEMM partials split over H, then top-k and the expert masks) against the CPU:
 // logits vs a double GEMM, the selection and weights vs cpu::route_top_k on the kernel's own logits (so near-ties
 // cannot flip), every mask bit vs the selection (the masks start poisoned: the router must rewrite them all). Then
 // moe_assign_padded on its idx: every row once, each expert's rows in token order (the order gate_up reads from the
@@ -423,12 +422,10 @@ TEST(CudaKernels, RouterTopKMasksAndAssignment) {
   REQUIRE_GPU();
   const size_t max_t = 300, max_h = 2816;
   Dev<float> partial(router_partial_floats(int(max_t), int(max_h)) + 1024 * 128);
-  for (int mode : {0, 1, 2})  // partials by 3xTF32, by f32 FMAs, the one-launch cluster router
+  for (bool tensor_cores : {true, false})
   for (auto [T, E, k, H] : {std::tuple{256, 128, 8, 2816}, std::tuple{37, 6, 2, 40}, std::tuple{300, 128, 8, 2816},
                             std::tuple{1, 128, 8, 2816}, std::tuple{65, 100, 7, 1004}, std::tuple{256, 128, 8, 2816}}) {
-    const bool tensor_cores = mode == 0;
     set_router_tensor_cores(tensor_cores);
-    set_router_cluster(mode == 2);
     ASSERT_TRUE(router_fused_supported(E, H, k));
     ASSERT_LE(router_partial_floats(T, H), partial.n);
     const int M = moe_padded_rows_per_expert(T, k, E), P = T * k, words = (T + 31) / 32;
@@ -445,7 +442,7 @@ TEST(CudaKernels, RouterTopKMasksAndAssignment) {
     };
     run();
     const std::string what = "T " + std::to_string(T) + " E " + std::to_string(E) + " H " + std::to_string(H) +
-                             (mode == 0 ? " (3xTF32)" : mode == 1 ? " (f32 FMA)" : " (one launch, clusters)");
+                             (tensor_cores ? " (3xTF32)" : " (f32 FMA)");
     auto gl = logits.get();
     auto gi = idx.get();
     auto gw = w.get();
@@ -521,7 +518,6 @@ TEST(CudaKernels, RouterTopKMasksAndAssignment) {
     EXPECT_EQ(masks.get(), gk) << what;
   }
   set_router_tensor_cores(false);
-  set_router_cluster(false);
 }
 
 // moe_combine_ffn = the expert combine (ascending expert id) followed by the FFN output norms and residual.

@@ -40,7 +40,7 @@ struct BenchArgs {
   int attn_splits = 0;
   bool no_attn_tma = false;  // cuda::set_attention_tma(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
-  bool router_tc = false, router_cluster = false;
+  bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool whole_step_graph = false;  // CudaOptions::whole_step_graph
   bool dense_mlp_priority = false;
@@ -92,7 +92,6 @@ int run_bench(const BenchArgs& args) {
   cuda::set_attention_tma(!args.no_attn_tma);
   cuda::set_router_tensor_cores(args.router_tc);
   cuda::set_route_tokens_per_block(args.route_tokens);
-  cuda::set_router_cluster(args.router_cluster);
   auto info = cuda::query_device(0);
   if (!info.available) fail("bench needs a CUDA GPU: {}", info.reason);
   int max_ctx = 0;
@@ -180,7 +179,6 @@ int run_bench(const BenchArgs& args) {
   out["attention_tma"] = !args.no_attn_tma;
   out["router_tensor_cores"] = args.router_tc;
   out["route_tokens_per_block"] = args.route_tokens;
-  out["router_cluster"] = args.router_cluster;
   out["dense_mlp_priority"] = opt.dense_mlp_priority;
   out["tma_grid"] = args.tma_grid;
   out["tma_stages"] = args.tma_stages;
@@ -381,9 +379,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "A/B: tokens a block of the router's route kernel, 2 or 8 "
                                       "(cuda::set_route_tokens_per_block)")
                            ->check(CLI::IsMember({2, 8}));
-                       sub.add_flag("--router-cluster", a->router_cluster,
-                                    "A/B: the router as one launch of 8-block clusters instead of two "
-                                    "(cuda::set_router_cluster)");
                        sub.add_flag("--router-tc", a->router_tc,
                                     "A/B: the router's partial logits as 3xTF32 on the tensor cores instead of f32 "
                                     "FMAs (cuda::set_router_tensor_cores)");

@@ -228,13 +228,6 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
       std::to_string(K) + ", expert masks", router_bytes, 2.0 * T * H * E, [=](cudaStream_t st) {
         cuda::router_top_k(xr, T, H, router_w, E, K, pes, partial, rl, idx, wk, masks, st);
       });
-  add("router_top_k: one launch of clusters (--router-cluster)",
-      "16 clusters of 8 blocks, 16 tokens x 128 experts x H / 8 each", router_bytes, 2.0 * T * H * E,
-      [=](cudaStream_t st) {
-        cuda::set_router_cluster(true);
-        cuda::router_top_k(xr, T, H, router_w, E, K, pes, partial, rl, idx, wk, masks, st);
-        cuda::set_router_cluster(false);
-      });
   for (bool tc : {true, false})
     add(std::string("router_top_k: partials GEMM alone, ") + (tc ? "3xTF32 (--router-tc)" : "f32 FMA (engine)"),
         "352 blocks of 32 tokens x 128 experts x 64 k", router_bytes, 2.0 * T * H * E, [=](cudaStream_t st) {

@@ -186,11 +186,6 @@ bool router_tensor_cores();
 // The same results either way.
 void set_route_tokens_per_block(int tokens);
 int route_tokens_per_block();
-// router_top_k as one launch (Hopper, sm_90a image): clusters of 8 blocks, each a 1/8 slice of H for 16 tokens, the
-// slices added through distributed shared memory; the same rules and outputs (the logits differ in the last bits:
-// another summation order), no partials workspace. Process-wide, for A/B (bench --router-cluster); off by default.
-void set_router_cluster(bool on);
-bool router_cluster();
 // One of router_top_k's two launches, for timing them apart (bench-kernels): the partial logits, then the route
 // (which reads the partials the first wrote).
 enum class RouterStage { Partials, Route };

@@ -8,8 +8,6 @@
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/cuda_util.cuh"
 
-#include <cooperative_groups.h>
-
 namespace dg::cuda {
 namespace {
 
@@ -460,133 +458,6 @@ __global__ void __launch_bounds__(32 * TOK * kRouteWarpsPerToken) router_route_k
   if (lane < a.k) atomicOr(a.masks + size_t(e) * ((a.T + 31) / 32) + (t >> 5), 1u << (t & 31));
 }
 
-// ---- the router as one launch (set_router_cluster): a cluster of kCrRanks blocks per kCrTok tokens ----
-// Rank r of the cluster multiplies the tile's tokens by its 1/kCrRanks slice of H (f32 FMAs in ascending k, the
-// weights streamed through a 2-stage shared-memory ring of kRtKc columns, the first two requested before
-// griddepcontrol.wait), leaving its partial logits in its shared memory. After a cluster barrier, rank r adds the
-// partials of its kCrTok / kCrRanks tokens from every rank's shared memory (in rank order: deterministic), routes them
-// (warp_top_k) and ORs each token's bit into rank 0's 16 expert mask bits; rank 0 writes them as the tile's half of
-// the mask words (16-bit stores: no other tile touches them, so nothing needs clearing or atomics in global memory).
-// Compute layout: warp w takes tokens 8 (w % 2) .. + 7 of the tile and experts 32 (w / 2) + lane: the token rows are
-// broadcast reads, and the 68-float ring row stride keeps a quarter warp's 16-byte weight reads in distinct banks.
-// In place of router_partials_k + router_route_k: no partials round trip through global memory, one launch less.
-constexpr int kCrTok = 16, kCrRanks = 8, kCrThreads = 256;
-static_assert(kCrTok == 2 * 8 && kCrThreads == 32 * 2 * (kRtExp / 32) && kCrTok % kCrRanks == 0, "tile shape");
-
-// Columns of H a rank multiplies (a multiple of 4, so each 16-byte copy is in or out), and its row stride in shared
-// memory: whole ring chunks, zero past the slice (the last chunk's products then add exact zeros).
-__host__ __device__ inline int cluster_router_slice(int H) { return ((H + kCrRanks - 1) / kCrRanks + 3) / 4 * 4; }
-__host__ __device__ inline int cluster_router_stride(int H) {
-  return (cluster_router_slice(H) + kRtKc - 1) / kRtKc * kRtKc;
-}
-// Dynamic shared memory: the token slice, the weight ring, the partial logits, rank 0's masks.
-inline size_t cluster_router_smem(int H) {
-  return size_t(kCrTok * cluster_router_stride(H) + 2 * kRtExp * kRtPad + kCrTok * kRtExp + kRtExp) * sizeof(float);
-}
-
-__global__ void __launch_bounds__(kCrThreads) router_cluster_k(RouterArgs a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  extern __shared__ __align__(16) float crs[];
-  const int ks = cluster_router_slice(a.H), xst = cluster_router_stride(a.H);
-  float* xs = crs;                                   // [kCrTok][xst]
-  float* ws = xs + kCrTok * ks;                      // [2][kRtExp][kRtPad]
-  float* part = ws + 2 * kRtExp * kRtPad;            // [kCrTok][kRtExp]
-  unsigned* mask = reinterpret_cast<unsigned*>(part + kCrTok * kRtExp);  // [kRtExp], rank 0's
-  const int tid = threadIdx.x, rank = int(cluster.block_rank()), tile = int(blockIdx.x) / kCrRanks;
-  const int t0 = tile * kCrTok, k0 = rank * ks, k1 = min(a.H, k0 + ks), n = max(0, k1 - k0);
-  const int chunks = (n + kRtKc - 1) / kRtKc;
-  constexpr int kQuads = kRtKc / 4;
-  auto load_w = [&](int c) {  // chunk c of the weight slice into ring stage c % 2 (zero past E and k1)
-    float* dst = ws + (c % 2) * kRtExp * kRtPad;
-    const int c0 = k0 + c * kRtKc;
-    if (c < chunks)
-      for (int i = tid; i < kRtExp * kQuads; i += kCrThreads) {
-        const int r = i / kQuads, q = (i % kQuads) * 4;
-        const bool ok = c0 + q < k1 && r < a.E;
-        cp_async16(dst + r * kRtPad + q, ok ? a.W + size_t(r) * a.H + c0 + q : a.W, ok);
-      }
-    cp_async_commit();  // (an empty group past the last chunk keeps the wait counts uniform)
-  };
-  load_w(0);  // constants: requested before the wait
-  load_w(1);
-  if (rank == 0)
-    for (int e = tid; e < kRtExp; e += kCrThreads) mask[e] = 0u;
-  pdl_wait();  // launch.cuh: only the constant weights above were read before it
-  pdl_trigger();
-  for (int i = tid; i < kCrTok * (xst / 4); i += kCrThreads) {
-    const int r = i / (xst / 4), q = (i % (xst / 4)) * 4;
-    const bool ok = q < n && t0 + r < a.T;
-    cp_async16(xs + r * xst + q, ok ? a.x + size_t(t0 + r) * a.H + k0 + q : a.x, ok);
-  }
-  cp_async_commit();
-  const int warp = tid >> 5, lane = tid & 31, tg = warp & 1, e = 32 * (warp >> 1) + lane;
-  float acc[8] = {};
-  for (int c = 0; c < chunks; ++c) {
-    if (c == 0) {
-      cp_async_wait<0>();
-    } else {
-      cp_async_wait<1>();  // chunk c landed; chunk c + 1 may still be in flight
-    }
-    __syncthreads();
-    const float* wr = ws + (c % 2) * kRtExp * kRtPad + e * kRtPad;
-    const float* xr = xs + 8 * tg * xst + c * kRtKc;
-#pragma unroll 4
-    for (int kk = 0; kk < kRtKc; kk += 4) {
-      const float4 wv = *reinterpret_cast<const float4*>(wr + kk);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float4 xv = *reinterpret_cast<const float4*>(xr + i * xst + kk);
-        float v = acc[i];
-        v = fmaf(xv.x, wv.x, v);
-        v = fmaf(xv.y, wv.y, v);
-        v = fmaf(xv.z, wv.z, v);
-        acc[i] = fmaf(xv.w, wv.w, v);
-      }
-    }
-    __syncthreads();  // every warp is done with stage c % 2 before chunk c + 2 overwrites it
-    load_w(c + 2);
-  }
-  cp_async_wait<0>();  // nothing in flight past here (the x copies of a rank without chunks included)
-#pragma unroll
-  for (int i = 0; i < 8; ++i) part[(8 * tg + i) * kRtExp + e] = acc[i];
-  cluster.sync();  // every rank's partials (and rank 0's cleared masks) visible to the cluster
-  constexpr int kTokPerRank = kCrTok / kCrRanks;
-  if (warp < kTokPerRank) {
-    const int tl = rank * kTokPerRank + warp, t = t0 + tl;
-    if (t < a.T) {
-      float4 v[kCrRanks];
-#pragma unroll
-      for (int q = 0; q < kCrRanks; ++q)  // every load in flight at once, then added in rank order
-        v[q] = reinterpret_cast<const float4*>(cluster.map_shared_rank(part, q) + tl * kRtExp)[lane];
-      float l[4] = {v[0].x, v[0].y, v[0].z, v[0].w};
-#pragma unroll
-      for (int q = 1; q < kCrRanks; ++q) l[0] += v[q].x, l[1] += v[q].y, l[2] += v[q].z, l[3] += v[q].w;
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        if (lane * 4 + j < a.E) a.logits[size_t(t) * a.E + lane * 4 + j] = l[j];
-      const int ex = warp_top_k(l, [lane](int j) { return lane * 4 + j; }, a.E, a.k, a.pes, a.idx + size_t(t) * a.k,
-                                a.w + size_t(t) * a.k);
-      if (lane < a.k) atomicOr(cluster.map_shared_rank(mask, 0) + ex, 1u << tl);
-    }
-  }
-  cluster.sync();  // the bits are in; no rank leaves while another may still read its partials
-  if (rank == 0) {
-    const int words = (a.T + 31) / 32, half = tile & 1;
-    const bool last_of_word = half == 0 && t0 + kCrTok >= a.T;  // no tile fills the word's upper half: clear it too
-    for (int x = tid; x < a.E; x += kCrThreads) {
-      unsigned* word = a.masks + size_t(x) * words + tile / 2;
-      if (last_of_word) {
-        *word = mask[x];
-      } else {
-        reinterpret_cast<unsigned short*>(word)[half] = static_cast<unsigned short>(mask[x]);
-      }
-    }
-  }
-#endif
-}
-
 // act = bf16(gelu_tanh(gate) * up) over the padded rows that hold a pair (slot < valid[e]); gate/up in f32.
 __global__ void moe_gelu_mul_padded_k(const float* gu, int E, int M, int I, const int32_t* valid, bf16* act) {
   for (int r = blockIdx.y; r < E * M; r += gridDim.y) {
@@ -867,9 +738,6 @@ void set_route_tokens_per_block(int tokens) {
   g_route_tokens = tokens;
 }
 int route_tokens_per_block() { return g_route_tokens; }
-bool g_router_cluster = false;  // set_router_cluster (off until a GPU A/B says it pays)
-void set_router_cluster(bool on) { g_router_cluster = on; }
-bool router_cluster() { return g_router_cluster; }
 
 size_t router_partial_floats(int T, int H) { return size_t(router_split(T, H).splits) * size_t(T) * kRtExp; }
 
@@ -877,39 +745,8 @@ size_t expert_mask_words(int T, int E) { return size_t(E) * size_t((T + 31) / 32
 
 bool router_fused_supported(int E, int H, int k) { return E >= 1 && E <= kRtExp && H % 4 == 0 && k <= 32 && k <= E; }
 
-namespace {
-// The one-launch router applies on Hopper with the sm_90a-or-later image loaded, when its shared memory fits.
-bool cluster_router_applies(int H) {
-  if (!g_router_cluster || compute_major() < 9 || cluster_router_smem(H) > size_t(200) * 1024) return false;
-  static const bool ready = [] {
-    cudaFuncAttributes fa{};
-    CUDA_CHECK(cudaFuncGetAttributes(&fa, router_cluster_k));
-    if (fa.binaryVersion < 90) return false;  // the PTX of an older architecture: no clusters
-    CUDA_CHECK(cudaFuncSetAttribute(router_cluster_k, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-    return true;
-  }();
-  return ready;
-}
-}  // namespace
-
 void router_top_k(const float* x, int T, int H, const float* W, int E, int k, const float* per_expert_scale,
                   float* partial, float* logits, int32_t* idx, float* w, unsigned* expert_masks, cudaStream_t s) {
-  if (T > 0 && router_fused_supported(E, H, k) && cluster_router_applies(H)) {
-    const RouterArgs a{x, W, per_expert_scale, T, H, E, k, partial, logits, idx, w, expert_masks};
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(unsigned((T + kCrTok - 1) / kCrTok * kCrRanks));
-    cfg.blockDim = dim3(kCrThreads);
-    cfg.dynamicSmemBytes = cluster_router_smem(H);
-    cfg.stream = s;
-    cudaLaunchAttribute at[2];
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = kCrRanks, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
-    at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // launch.cuh
-    at[1].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at, cfg.numAttrs = pdl_enabled() ? 2 : 1;
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, router_cluster_k, a));
-    return;
-  }
   router_top_k_stage(RouterStage::Partials, x, T, H, W, E, k, per_expert_scale, partial, logits, idx, w, expert_masks,
                      s);
   router_top_k_stage(RouterStage::Route, x, T, H, W, E, k, per_expert_scale, partial, logits, idx, w, expert_masks, s);
