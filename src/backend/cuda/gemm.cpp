@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <functional>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_kernels.h"
 #include "util/error.h"
 
 namespace dg::cuda {
@@ -51,7 +53,8 @@ std::vector<std::string>& report() {
 // found it): initialized from its id, given its other attributes, then checked against this problem.
 bool algo_of_config(cublasLtHandle_t h, const AlgoConfig& c, cudaDataType_t at, cudaDataType_t bt, cudaDataType_t ct,
                     cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
-                    cublasLtMatrixLayout_t cl, size_t workspace_bytes, cublasLtMatmulAlgo_t& algo) {
+                    cublasLtMatrixLayout_t cl, size_t workspace_bytes, cublasLtMatmulAlgo_t& algo,
+                    size_t& workspace_needed) {
   if (cublasLtMatmulAlgoInit(h, CUBLAS_COMPUTE_32F, CUDA_R_32F, at, bt, ct, ct, int(c[0]), &algo) !=
       CUBLAS_STATUS_SUCCESS)
     return false;
@@ -62,8 +65,9 @@ bool algo_of_config(cublasLtHandle_t h, const AlgoConfig& c, cudaDataType_t at, 
       return false;
   }
   cublasLtMatmulHeuristicResult_t r{};
-  return cublasLtMatmulAlgoCheck(h, op, a, b, cl, cl, &algo, &r) == CUBLAS_STATUS_SUCCESS &&
-         r.workspaceSize <= workspace_bytes;
+  if (cublasLtMatmulAlgoCheck(h, op, a, b, cl, cl, &algo, &r) != CUBLAS_STATUS_SUCCESS) return false;
+  workspace_needed = r.workspaceSize;
+  return r.workspaceSize <= workspace_bytes;
 }
 
 std::string config_text(const AlgoConfig& c) {
@@ -244,7 +248,7 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
     if (!matched) {
       cublasLtMatmulHeuristicResult_t built{};
       if (algo_of_config(handle_, t.config, a_type, b_type, c_type, p.op, p.a, p.b, p.c, workspace_bytes_,
-                         built.algo) &&
+                         built.algo, built.workspaceSize) &&
           acceptable(built.algo)) {
         built.state = CUBLAS_STATUS_SUCCESS;
         res.push_back(built);
@@ -255,27 +259,56 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
     }
   }
   if (tune) {
-    // Time every acceptable candidate on the real operands (best of 3 rounds of 10 calls, after 2 warm-ups).
+    // Time every acceptable candidate on the real operands as the engine runs it: inside a CUDA graph, each call
+    // right after a kernel (a one-word copy_words). Back-to-back eager calls hid what a configuration costs there:
+    // one that zeroes its workspace first adds a memset node, and in the decoder graph that node left the GPU idle
+    // ~12 us before the full layers' S GEMM (H200 trace, session 12). Best of 3 replays of 10 (kernel, GEMM) pairs,
+    // less the same graph without the GEMMs.
     cudaEvent_t e0, e1;
     CUDA_CHECK(cudaEventCreate(&e0));
     CUDA_CHECK(cudaEventCreate(&e1));
     const float alpha = 1.0f, beta = 0.0f;
     std::vector<float> us(size_t(found), 1e30f);
-    for (int i : ok) {
-      auto call = [&] {
-        return cublasLtMatmul(handle_, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.c, C, p.c, &res[size_t(i)].algo,
-                              workspace_, workspace_bytes_, s);
-      };
-      if (call() != CUBLAS_STATUS_SUCCESS || call() != CUBLAS_STATUS_SUCCESS) continue;
+    auto* word = static_cast<unsigned char*>(workspace_) + workspace_bytes_ - 8;  // the copy's scratch
+    auto time_graph = [&](const std::function<bool()>& gemm_call) -> float {
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+      bool ok_calls = true;
+      for (int r = 0; r < 10; ++r) {
+        copy_words(word, 1, word + 4, s);
+        if (gemm_call) ok_calls = ok_calls && gemm_call();
+      }
+      CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+      if (!ok_calls || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cudaGraphDestroy(graph);
+        return 1e30f;
+      }
+      float best_ms = 1e30f;
+      CUDA_CHECK(cudaGraphLaunch(exec, s));  // warm-up
       for (int round = 0; round < 3; ++round) {
         CUDA_CHECK(cudaEventRecord(e0, s));
-        for (int r = 0; r < 10; ++r) CUBLAS_CHECK(call());
+        CUDA_CHECK(cudaGraphLaunch(exec, s));
         CUDA_CHECK(cudaEventRecord(e1, s));
         CUDA_CHECK(cudaEventSynchronize(e1));
         float ms = 0;
         CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        us[size_t(i)] = std::min(us[size_t(i)], ms * 100.0f);
+        best_ms = std::min(best_ms, ms);
       }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      return best_ms * 100.0f;  // us per pair
+    };
+    const float copies_us = time_graph(nullptr);
+    for (int i : ok) {
+      auto call = [&] {
+        return cublasLtMatmul(handle_, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.c, C, p.c, &res[size_t(i)].algo,
+                              workspace_, workspace_bytes_, s) == CUBLAS_STATUS_SUCCESS;
+      };
+      if (!call() || !call()) continue;  // eager warm-ups (and a check that it runs at all)
+      CUDA_CHECK(cudaStreamSynchronize(s));
+      us[size_t(i)] = std::max(0.0f, time_graph(call) - copies_us);
     }
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
@@ -284,11 +317,12 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
       if (us[size_t(i)] < us[size_t(best)]) best = i;
     char line[512];
     std::snprintf(line, sizeof line,
-                  "{%d, %s, %d, %d, %d, %d, %d, %d, %d, %s},  // heuristic first %.1f us, table %.1f us, best %.1f "
-                  "us (candidate %d of %zu)",
+                  "{%d, %s, %d, %d, %d, %d, %d, %d, %d, %s},  // in a graph after a kernel: heuristic first %.1f us, "
+                  "table %.1f us, best %.1f us (candidate %d of %zu, workspace %zu B)",
                   sm_, transa ? "true" : "false", m, n, k, int(at), int(bt), int(ct), table_batch,
                   config_text(config_of(res[size_t(best)].algo)).c_str(), double(us[size_t(ok[0])]),
-                  double(us[size_t(pick)]), double(us[size_t(best)]), best, ok.size());
+                  double(us[size_t(pick)]), double(us[size_t(best)]), best, ok.size(),
+                  res[size_t(best)].workspaceSize);
     report().push_back(line);
     pick = best;
   }
