@@ -35,6 +35,7 @@ struct BenchArgs {
   std::string contexts = "512,4096,32768", prefills = "4096,32768";
   bool json = false, breakdown = false, no_graphs = false, grouped_experts = false, tune_gemm = false;
   bool no_overlap = false, cublas_router = false, no_pdl = false, untuned_gemm = false;
+  std::vector<std::string> gemm_untable;
   int dense_mlp_sms = -1;  // -1: CudaOptions' default
   bool cublas_experts = false, tma_experts_down = false, no_tma_gather = false, static_expert_tiles = false;
   int attn_splits = 0;
@@ -87,6 +88,18 @@ int run_bench(const BenchArgs& args) {
   const std::vector<int> contexts = parse_sizes(args.contexts), prefills = parse_sizes(args.prefills);
   cuda::set_gemm_tuning(args.tune_gemm);
   cuda::set_gemm_table(!args.untuned_gemm);
+  {
+    std::vector<std::array<int, 3>> skip;
+    for (const std::string& shape : args.gemm_untable) {
+      std::array<int, 3> mnk{};
+      char x1 = 0, x2 = 0, extra = 0;
+      if (std::sscanf(shape.c_str(), "%d%c%d%c%d%c", &mnk[0], &x1, &mnk[1], &x2, &mnk[2], &extra) != 5 || x1 != 'x' ||
+          x2 != 'x')
+        fail("--gemm-untable: '{}' is not a shape MxNxK (e.g. 4352x256x512)", shape);
+      skip.push_back(mnk);
+    }
+    cuda::set_gemm_table_skip(std::move(skip));
+  }
   cuda::set_pdl(!args.no_pdl);
   cuda::set_attention_splits(args.attn_splits);
   cuda::set_attention_tma(!args.no_attn_tma);
@@ -440,6 +453,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--untuned-gemm", a->untuned_gemm,
                                     "A/B: cuBLASLt's heuristic first pick for every GEMM instead of the pinned table "
                                     "(src/backend/cuda/gemm_tuned.inc)");
+                       sub.add_option("--gemm-untable", a->gemm_untable,
+                                      "A/B: cuBLASLt's heuristic first pick for these GEMM shapes (MxNxK as in "
+                                      "gemm_tuned.inc; repeatable) instead of their pinned configurations");
                        sub.add_flag("--tune-gemm", a->tune_gemm,
                                     "time every cuBLASLt candidate of each GEMM shape (graphs off) and print the "
                                     "fastest as lines for src/backend/cuda/gemm_tuned.inc");

@@ -44,6 +44,7 @@ const std::vector<TunedEntry> kTuned = {
 
 bool g_tuning = false;
 bool g_table = true;
+std::vector<std::array<int, 3>> g_table_skip;
 std::vector<std::string>& report() {
   static std::vector<std::string> r;
   return r;
@@ -80,6 +81,7 @@ std::string config_text(const AlgoConfig& c) {
 
 void set_gemm_tuning(bool on) { g_tuning = on; }
 void set_gemm_table(bool on) { g_table = on; }
+void set_gemm_table_skip(std::vector<std::array<int, 3>> shapes) { g_table_skip = std::move(shapes); }
 bool gemm_tuning() { return g_tuning; }
 const std::vector<std::string>& gemm_tune_report() { return report(); }
 
@@ -236,8 +238,10 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
     fail("cuBLASLt found no algorithm for a {}x{}x{} GEMM ({} operands)", m, n, k, all_f32 ? "f32" : "bf16");
   int pick = ok[0];
   const int table_batch = pointer_array ? -batch : batch;
+  const bool skipped = std::find(g_table_skip.begin(), g_table_skip.end(), std::array<int, 3>{m, n, k}) !=
+                       g_table_skip.end();
   for (const TunedEntry& t : kTuned) {
-    if (!g_table) break;
+    if (!g_table || skipped) break;
     if (t.sm != sm_ || t.transa != transa || t.m != m || t.n != n || t.k != k || t.at != int(at) ||
         t.bt != int(bt) || t.ct != int(ct) || t.batch != table_batch)
       continue;

@@ -14,6 +14,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -31,6 +32,8 @@ void set_gemm_tuning(bool on);
 // A/B (bench --untuned-gemm): ignore the pinned algorithms of gemm_tuned.inc, take cuBLASLt's heuristic first pick.
 // Set before the first GEMM of a shape is planned.
 void set_gemm_table(bool on);
+// A/B (bench --gemm-untable MxNxK): the same for the listed shapes only (m, n, k as the table writes them).
+void set_gemm_table_skip(std::vector<std::array<int, 3>> shapes);
 bool gemm_tuning();
 const std::vector<std::string>& gemm_tune_report();
 
