@@ -35,7 +35,7 @@ struct BenchArgs {
   std::string contexts = "512,4096,32768", prefills = "4096,32768";
   bool json = false, breakdown = false, no_graphs = false, grouped_experts = false, tune_gemm = false;
   bool no_overlap = false, cublas_router = false, no_pdl = false, untuned_gemm = false;
-  std::vector<std::string> gemm_untable;
+  std::vector<std::string> gemm_untable, gemm_configs;
   int dense_mlp_sms = -1;  // -1: CudaOptions' default
   bool cublas_experts = false, tma_experts_down = false, no_tma_gather = false, static_expert_tiles = false;
   int attn_splits = 0;
@@ -99,6 +99,20 @@ int run_bench(const BenchArgs& args) {
       skip.push_back(mnk);
     }
     cuda::set_gemm_table_skip(std::move(skip));
+    std::vector<std::pair<std::array<int, 3>, std::array<int64_t, 9>>> configs;
+    for (const std::string& spec : args.gemm_configs) {
+      std::array<int, 3> mnk{};
+      std::array<long long, 9> c{};
+      int used = 0;
+      if (std::sscanf(spec.c_str(), "%dx%dx%d=%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld%n", &mnk[0], &mnk[1], &mnk[2],
+                      &c[0], &c[1], &c[2], &c[3], &c[4], &c[5], &c[6], &c[7], &c[8], &used) != 12 ||
+          used != int(spec.size()))
+        fail("--gemm-config: '{}' is not MxNxK=c0,c1,...,c8 (e.g. 2816x256x2112=66,27,1,0,0,2,35,0,2)", spec);
+      std::array<int64_t, 9> config{};
+      for (size_t i = 0; i < 9; ++i) config[i] = c[i];
+      configs.emplace_back(mnk, config);
+    }
+    cuda::set_gemm_config_override(std::move(configs));
   }
   cuda::set_pdl(!args.no_pdl);
   cuda::set_attention_splits(args.attn_splits);
@@ -456,6 +470,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_option("--gemm-untable", a->gemm_untable,
                                       "A/B: cuBLASLt's heuristic first pick for these GEMM shapes (MxNxK as in "
                                       "gemm_tuned.inc; repeatable) instead of their pinned configurations");
+                       sub.add_option("--gemm-config", a->gemm_configs,
+                                      "A/B: this cuBLASLt configuration for a GEMM shape, MxNxK=c0,...,c8 (the nine "
+                                      "values of a gemm_tuned.inc entry; repeatable)");
                        sub.add_flag("--tune-gemm", a->tune_gemm,
                                     "time every cuBLASLt candidate of each GEMM shape (graphs off) and print the "
                                     "fastest as lines for src/backend/cuda/gemm_tuned.inc");

@@ -45,6 +45,7 @@ const std::vector<TunedEntry> kTuned = {
 bool g_tuning = false;
 bool g_table = true;
 std::vector<std::array<int, 3>> g_table_skip;
+std::vector<std::pair<std::array<int, 3>, std::array<int64_t, 9>>> g_config_override;
 std::vector<std::string>& report() {
   static std::vector<std::string> r;
   return r;
@@ -82,6 +83,9 @@ std::string config_text(const AlgoConfig& c) {
 void set_gemm_tuning(bool on) { g_tuning = on; }
 void set_gemm_table(bool on) { g_table = on; }
 void set_gemm_table_skip(std::vector<std::array<int, 3>> shapes) { g_table_skip = std::move(shapes); }
+void set_gemm_config_override(std::vector<std::pair<std::array<int, 3>, std::array<int64_t, 9>>> overrides) {
+  g_config_override = std::move(overrides);
+}
 bool gemm_tuning() { return g_tuning; }
 const std::vector<std::string>& gemm_tune_report() { return report(); }
 
@@ -261,6 +265,20 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
         found = int(res.size());
       }
     }
+  }
+  for (const auto& [shape, config] : g_config_override) {
+    if (shape != std::array<int, 3>{m, n, k}) continue;
+    cublasLtMatmulHeuristicResult_t built{};
+    if (!algo_of_config(handle_, config, a_type, b_type, c_type, p.op, p.a, p.b, p.c, workspace_bytes_, built.algo,
+                        built.workspaceSize) ||
+        !acceptable(built.algo))
+      fail("--gemm-config: cuBLASLt rejects {} for the {}x{}x{} GEMM (or it breaks the precision policy)",
+           config_text(config), m, n, k);
+    built.state = CUBLAS_STATUS_SUCCESS;
+    res.push_back(built);
+    pick = int(res.size()) - 1;
+    ok.push_back(pick);
+    found = int(res.size());
   }
   if (tune) {
     // Time every acceptable candidate on the real operands as the engine runs it: inside a CUDA graph, each call

@@ -19,6 +19,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace dg::cuda {
@@ -34,6 +35,10 @@ void set_gemm_tuning(bool on);
 void set_gemm_table(bool on);
 // A/B (bench --gemm-untable MxNxK): the same for the listed shapes only (m, n, k as the table writes them).
 void set_gemm_table_skip(std::vector<std::array<int, 3>> shapes);
+// A/B (bench --gemm-config MxNxK=c0,...,c8): this algorithm configuration (the nine CUBLASLT_ALGO_CONFIG_* values, as
+// gemm_tuned.inc writes them) for every GEMM of that shape, in place of the table's; a configuration cuBLASLt rejects
+// for the shape is an error.
+void set_gemm_config_override(std::vector<std::pair<std::array<int, 3>, std::array<int64_t, 9>>> overrides);
 bool gemm_tuning();
 const std::vector<std::string>& gemm_tune_report();
 
