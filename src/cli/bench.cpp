@@ -48,7 +48,8 @@ struct BenchArgs {
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1;
   int tma_stages = 3;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
-  bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false;
+  bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false,
+       dense_down_stream = false;
   int tma_l2_promotion = 256;  // CudaOptions::tma_weight_l2_promotion
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -148,6 +149,7 @@ int run_bench(const BenchArgs& args) {
   opt.pack_expert_gate_up = !args.no_pack_gate_up;
   opt.pack_expert_down = !args.no_pack_down;
   opt.dense_down_last = !args.dense_down_first;
+  opt.dense_down_stream = args.dense_down_stream;
   opt.narrow_assignment = !args.wide_assignment;
   opt.tma_weight_l2_promotion = args.tma_l2_promotion;
   opt.tma_experts_grid = args.tma_grid;
@@ -198,6 +200,7 @@ int run_bench(const BenchArgs& args) {
   out["pack_expert_gate_up"] = !args.no_pack_gate_up;
   out["pack_expert_down"] = !args.no_pack_down;
   out["dense_down_last"] = !args.dense_down_first;
+  out["dense_down_stream"] = args.dense_down_stream;
   out["narrow_assignment"] = !args.wide_assignment;
   out["tma_l2_promotion"] = args.tma_l2_promotion;
   out["tma_gather_rows"] = !args.no_tma_gather;
@@ -399,6 +402,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--dense-mlp-priority", a->dense_mlp_priority,
                                     "A/B: the dense MLP's stream at the highest priority "
                                     "(CudaOptions::dense_mlp_priority)");
+                       sub.add_flag("--dense-down-stream", a->dense_down_stream,
+                                    "A/B: the dense MLP's down GEMM on its own stream, beside the overflow rows "
+                                    "(CudaOptions::dense_down_stream)");
                        sub.add_flag("--whole-step-graph", a->whole_step_graph,
                                     "A/B: a whole denoise step as one CUDA graph, not only its layers "
                                     "(CudaOptions::whole_step_graph)");

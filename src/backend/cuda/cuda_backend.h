@@ -75,6 +75,11 @@ struct CudaOptions {
   // With overlap_dense_mlp: the dense MLP's down GEMM queued on the side stream after the assignment and the overflow
   // rows instead of before them (see CudaBackend::layer). A/B: bench --dense-down-first.
   bool dense_down_last = true;
+  // With overlap_dense_mlp: the dense MLP's down GEMM on a third stream, after the first GEMM + GELU, instead of
+  // after the overflow rows on the side stream: in the experts' tail the two then take the freed SMs side by side
+  // rather than one after the other (H200 trace, session 12: overflow gate_up + down ~7.5 us, then the dense down
+  // ~12.6 us, ~10 us of it after the experts end). A/B: bench --dense-down-stream.
+  bool dense_down_stream = false;
   // With overlap_dense_mlp and the masked gate_up: the side stream's assignment (moe_assign_padded) as one block of
   // 256 threads instead of 1024, so that it fits beside the expert kernel's blocks (their registers leave ~23K an SM)
   // and runs while the experts stream instead of after them. Same results. H200, 4K step (docs/BENCHMARKS.md,

@@ -346,6 +346,11 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
                   double(us[size_t(pick)]), double(us[size_t(best)]), best, ok.size(),
                   res[size_t(best)].workspaceSize);
     report().push_back(line);
+    // Every candidate on stderr, for choosing by hand what the timing here cannot judge (bench --gemm-config).
+    for (int i : ok)
+      std::fprintf(stderr, "  gemm %dx%dx%d candidate %d %s: %.1f us, workspace %zu B\n", m, n, k, i,
+                   config_text(config_of(res[size_t(i)].algo)).c_str(), double(us[size_t(i)]),
+                   res[size_t(i)].workspaceSize);
     pick = best;
   }
   p.algo = res[size_t(pick)].algo;
