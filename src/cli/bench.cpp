@@ -45,7 +45,7 @@ struct BenchArgs {
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool whole_step_graph = false;  // CudaOptions::whole_step_graph
   bool dense_mlp_priority = false;
-  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1;
+  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1, expert_release_sms = 0;
   int tma_stages = 3;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
   bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false,
@@ -145,6 +145,7 @@ int run_bench(const BenchArgs& args) {
   opt.expert_sms = args.expert_sms;
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
   opt.tma_experts_prewait_stages = args.tma_prewait;
+  opt.tma_experts_release_sms = args.expert_release_sms;
   opt.fused_experts = !args.no_fused_experts;
   opt.pack_expert_gate_up = !args.no_pack_gate_up;
   opt.pack_expert_down = !args.no_pack_down;
@@ -194,6 +195,7 @@ int run_bench(const BenchArgs& args) {
                    : args.tma_experts_down ? "padded: TMA + wgmma gate_up + down (PDL) where supported"
                                            : "padded: TMA + wgmma gate_up (PDL) where supported, cuBLASLt down";
   out["expert_sms"] = args.expert_sms;
+  out["expert_release_sms"] = args.expert_release_sms;
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
   out["tma_prewait_stages"] = args.tma_prewait;
   out["fused_experts"] = !args.no_fused_experts;
@@ -460,6 +462,11 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "ring stages of each TMA expert block's first tile requested before the PDL "
                                       "wait (-1: all; CudaOptions::tma_experts_prewait_stages)")
                            ->check(CLI::Range(-1, 64));
+                       sub.add_option("--expert-release-sms", a->expert_release_sms,
+                                      "A/B: the expert launch's blocks on SMs numbered below this run one tile "
+                                      "each, freeing those SMs for the side stream (CudaOptions::"
+                                      "tma_experts_release_sms)")
+                           ->check(CLI::Range(0, 132));
                        sub.add_option("--tma-grid", a->tma_grid,
                                       "blocks of the TMA expert kernels (0: as many as fit on every SM; CudaOptions::tma_experts_grid)")
                            ->check(CLI::NonNegativeNumber);

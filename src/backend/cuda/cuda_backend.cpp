@@ -911,6 +911,7 @@ class CudaBackend final : public Backend {
         .stages = opt_.tma_experts_stages,
         .l2_prefetch_slices = opt_.tma_experts_l2_prefetch,
         .prewait_stages = opt_.tma_experts_prewait_stages,
+        .release_sms = overlap ? opt_.tma_experts_release_sms : 0,
         .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr,
         .gate_up_packed = L.gu_packed ? L.exp_gu : nullptr,
         .down_packed = L.dn_packed ? L.exp_down : nullptr};

@@ -124,6 +124,10 @@ struct CudaOptions {
   int tma_experts_l2_prefetch = 0;
   // cuda::TmaExpertsPlan::prewait_stages (-1: the whole ring before the wait). A/B: bench --tma-prewait-stages.
   int tma_experts_prewait_stages = -1;
+  // cuda::TmaExpertsPlan::release_sms: the fused expert launch's blocks on SMs numbered below this run one tile each,
+  // so those SMs take the side stream's work (the dense MLP's down GEMM, the overflow rows) while the experts stream,
+  // instead of after them. A/B: bench --expert-release-sms.
+  int tma_experts_release_sms = 0;
   // With tma_experts (sms 0): the TMA kernels' grid (0: two blocks per SM) and ring stages (3, 4 or 5), for A/B
   // (bench --tma-grid / --tma-stages); cuda::TmaExpertsPlan explains them.
   // With the packed weights, three 3-stage blocks an SM measured 0.04-0.1 ms a step faster than two of 4 stages
