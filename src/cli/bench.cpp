@@ -45,11 +45,10 @@ struct BenchArgs {
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool whole_step_graph = false;  // CudaOptions::whole_step_graph
   bool dense_mlp_priority = false;
-  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1, expert_release_sms = 0;
+  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1;
   int tma_stages = 3;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
-  bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false,
-       dense_down_stream = false;
+  bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false;
   int tma_l2_promotion = 256;  // CudaOptions::tma_weight_l2_promotion
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -145,12 +144,10 @@ int run_bench(const BenchArgs& args) {
   opt.expert_sms = args.expert_sms;
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
   opt.tma_experts_prewait_stages = args.tma_prewait;
-  opt.tma_experts_release_sms = args.expert_release_sms;
   opt.fused_experts = !args.no_fused_experts;
   opt.pack_expert_gate_up = !args.no_pack_gate_up;
   opt.pack_expert_down = !args.no_pack_down;
   opt.dense_down_last = !args.dense_down_first;
-  opt.dense_down_stream = args.dense_down_stream;
   opt.narrow_assignment = !args.wide_assignment;
   opt.tma_weight_l2_promotion = args.tma_l2_promotion;
   opt.tma_experts_grid = args.tma_grid;
@@ -195,14 +192,12 @@ int run_bench(const BenchArgs& args) {
                    : args.tma_experts_down ? "padded: TMA + wgmma gate_up + down (PDL) where supported"
                                            : "padded: TMA + wgmma gate_up (PDL) where supported, cuBLASLt down";
   out["expert_sms"] = args.expert_sms;
-  out["expert_release_sms"] = args.expert_release_sms;
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
   out["tma_prewait_stages"] = args.tma_prewait;
   out["fused_experts"] = !args.no_fused_experts;
   out["pack_expert_gate_up"] = !args.no_pack_gate_up;
   out["pack_expert_down"] = !args.no_pack_down;
   out["dense_down_last"] = !args.dense_down_first;
-  out["dense_down_stream"] = args.dense_down_stream;
   out["narrow_assignment"] = !args.wide_assignment;
   out["tma_l2_promotion"] = args.tma_l2_promotion;
   out["tma_gather_rows"] = !args.no_tma_gather;
@@ -404,9 +399,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--dense-mlp-priority", a->dense_mlp_priority,
                                     "A/B: the dense MLP's stream at the highest priority "
                                     "(CudaOptions::dense_mlp_priority)");
-                       sub.add_flag("--dense-down-stream", a->dense_down_stream,
-                                    "A/B: the dense MLP's down GEMM on its own stream, beside the overflow rows "
-                                    "(CudaOptions::dense_down_stream)");
                        sub.add_flag("--whole-step-graph", a->whole_step_graph,
                                     "A/B: a whole denoise step as one CUDA graph, not only its layers "
                                     "(CudaOptions::whole_step_graph)");
@@ -462,11 +454,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "ring stages of each TMA expert block's first tile requested before the PDL "
                                       "wait (-1: all; CudaOptions::tma_experts_prewait_stages)")
                            ->check(CLI::Range(-1, 64));
-                       sub.add_option("--expert-release-sms", a->expert_release_sms,
-                                      "A/B: the expert launch's blocks on SMs numbered below this run one tile "
-                                      "each, freeing those SMs for the side stream (CudaOptions::"
-                                      "tma_experts_release_sms)")
-                           ->check(CLI::Range(0, 132));
                        sub.add_option("--tma-grid", a->tma_grid,
                                       "blocks of the TMA expert kernels (0: as many as fit on every SM; CudaOptions::tma_experts_grid)")
                            ->check(CLI::NonNegativeNumber);

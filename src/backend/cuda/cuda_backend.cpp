@@ -350,9 +350,6 @@ class CudaBackend final : public Backend {
     } else {
       CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
     }
-    CUDA_CHECK(cudaStreamCreateWithFlags(&down_side_, cudaStreamNonBlocking));
-    CUDA_CHECK(cudaEventCreateWithFlags(&dense_act_, cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventCreateWithFlags(&down_join_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&grouped_, cudaEventDisableTiming));
@@ -428,9 +425,6 @@ class CudaBackend final : public Backend {
     cudaEventDestroy(fork_);
     cudaEventDestroy(join_);
     cudaEventDestroy(grouped_);
-    cudaEventDestroy(dense_act_);
-    cudaEventDestroy(down_join_);
-    cudaStreamDestroy(down_side_);
     cudaStreamDestroy(side_);
     cudaFree(arena_.base);
     cudaFreeHost(host_ids_);
@@ -911,7 +905,6 @@ class CudaBackend final : public Backend {
         .stages = opt_.tma_experts_stages,
         .l2_prefetch_slices = opt_.tma_experts_l2_prefetch,
         .prewait_stages = opt_.tma_experts_prewait_stages,
-        .release_sms = overlap ? opt_.tma_experts_release_sms : 0,
         .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr,
         .gate_up_packed = L.gu_packed ? L.exp_gu : nullptr,
         .down_packed = L.dn_packed ? L.exp_down : nullptr};
@@ -922,14 +915,8 @@ class CudaBackend final : public Backend {
       CUDA_CHECK(cudaEventRecord(fork_, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
       gated_mlp_up_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, cfg_.intermediate_size);
-      if (opt_.dense_down_stream) {  // gemm_side_'s workspace: the first GEMM is done before this one starts
-        CUDA_CHECK(cudaEventRecord(dense_act_, side_));
-        CUDA_CHECK(cudaStreamWaitEvent(down_side_, dense_act_));
-        gated_mlp_down_on(*gemm_side_, down_side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
-        CUDA_CHECK(cudaEventRecord(down_join_, down_side_));
-      } else if (!opt_.dense_down_last) {
+      if (!opt_.dense_down_last)
         gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
-      }
     } else {
       gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
     }
@@ -1026,11 +1013,9 @@ class CudaBackend final : public Backend {
       mark(kStDown);
     }
     if (overlap) {
-      if (opt_.dense_down_last && !opt_.dense_down_stream)
-        gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
+      if (opt_.dense_down_last) gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
       CUDA_CHECK(cudaEventRecord(join_, side_));
       CUDA_CHECK(cudaStreamWaitEvent(stream_, join_));
-      if (opt_.dense_down_stream) CUDA_CHECK(cudaStreamWaitEvent(stream_, down_join_));
     }
     const bool last = l + 1 == cfg_.num_layers;  // else the combine also writes the next layer's input norm to x
     cuda::moe_combine_ffn(s_.y, s_.idx, s_.wk, s_.sorted_pos, T, K, s_.h, s_.m1, H, L.post_ff1, L.post_ff2,
@@ -1106,8 +1091,6 @@ class CudaBackend final : public Backend {
   CudaOptions opt_;
   cudaStream_t stream_ = nullptr;
   cudaStream_t side_ = nullptr;  // the dense MLP's branch of a layer (layer())
-  cudaStream_t down_side_ = nullptr;  // its down GEMM's own branch (CudaOptions::dense_down_stream)
-  cudaEvent_t dense_act_ = nullptr, down_join_ = nullptr;
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   cudaEvent_t grouped_ = nullptr;  // main -> side: the expert rows are grouped (the overflow kernels may start)
   int tm_ = 0;

@@ -75,11 +75,6 @@ struct CudaOptions {
   // With overlap_dense_mlp: the dense MLP's down GEMM queued on the side stream after the assignment and the overflow
   // rows instead of before them (see CudaBackend::layer). A/B: bench --dense-down-first.
   bool dense_down_last = true;
-  // With overlap_dense_mlp: the dense MLP's down GEMM on a third stream, after the first GEMM + GELU, instead of
-  // after the overflow rows on the side stream: in the experts' tail the two then take the freed SMs side by side
-  // rather than one after the other (H200 trace, session 12: overflow gate_up + down ~7.5 us, then the dense down
-  // ~12.6 us, ~10 us of it after the experts end). A/B: bench --dense-down-stream.
-  bool dense_down_stream = false;
   // With overlap_dense_mlp and the masked gate_up: the side stream's assignment (moe_assign_padded) as one block of
   // 256 threads instead of 1024, so that it fits beside the expert kernel's blocks (their registers leave ~23K an SM)
   // and runs while the experts stream instead of after them. Same results. H200, 4K step (docs/BENCHMARKS.md,
@@ -124,10 +119,6 @@ struct CudaOptions {
   int tma_experts_l2_prefetch = 0;
   // cuda::TmaExpertsPlan::prewait_stages (-1: the whole ring before the wait). A/B: bench --tma-prewait-stages.
   int tma_experts_prewait_stages = -1;
-  // cuda::TmaExpertsPlan::release_sms: the fused expert launch's blocks on SMs numbered below this run one tile each,
-  // so those SMs take the side stream's work (the dense MLP's down GEMM, the overflow rows) while the experts stream,
-  // instead of after them. A/B: bench --expert-release-sms.
-  int tma_experts_release_sms = 0;
   // With tma_experts (sms 0): the TMA kernels' grid (0: two blocks per SM) and ring stages (3, 4 or 5), for A/B
   // (bench --tma-grid / --tma-stages); cuda::TmaExpertsPlan explains them.
   // With the packed weights, three 3-stage blocks an SM measured 0.04-0.1 ms a step faster than two of 4 stages

@@ -270,10 +270,6 @@ struct TmaExpertsPlan {
   // >= 0: at most this many of the first tile's ring stages are requested before griddepcontrol.wait (-1: the whole
   // ring). Those early reads overlap the predecessor, but they also compete with it for DRAM.
   int prewait_stages = -1;
-  // The gathered kernels (gate_up, fused) with tile_counters: blocks on the SMs numbered below this take no tile
-  // after their first, leaving those SMs to a concurrent stream for the rest of the launch (0: none). The tiles are
-  // the same, only which block runs them changes: the same results.
-  int release_sms = 0;
   // moe_gate_up_padded_tma_gathered only: two zeroed unsigneds (left zeroed; not shared by concurrent launches) for
   // tiles handed out by an atomic counter after each block's first, instead of the fixed stride, so that blocks
   // that start late (their SMs busy with another stream's kernels) take fewer tiles. Null: the fixed stride.

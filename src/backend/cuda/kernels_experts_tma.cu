@@ -105,7 +105,7 @@ template <bool GATED, int kStages, bool GATHER = false, bool FUSED = false>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
-                  int l2_prefetch_slices, int prewait_stages, int release_sms, const bf16* __restrict__ xg,
+                  int l2_prefetch_slices, int prewait_stages, const bf16* __restrict__ xg,
                   const int32_t* __restrict__ slot_token,
                   unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
                   const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed) {
@@ -254,14 +254,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       return tok;
     };
-    // TmaExpertsPlan::release_sms: a block on one of the SMs numbered below it runs its first tile only, so those
-    // SMs fall free for the side stream's kernels while the others stream the rest.
-    uint32_t smid = 0;
-    if (release_sms > 0) asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    const bool releases = int(smid) < release_sms;
     // The tile after `tile` (n_tiles or past: none left), by the stride or from the counter.
     auto next_tile = [&](int tile) {
-      if (releases) return n_tiles;
       if (!tile_ctr) return tile + int(gridDim.x);
       int t = 0;
       if (leader) t = int(atomicAdd(tile_ctr, 1u)) + int(gridDim.x);
@@ -599,24 +593,13 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   const int pf = std::max(0, plan.l2_prefetch_slices);
   // With the PDL attribute (launch.cuh; dropped while pdl_enabled() is false): the kernel's producer streams its
   // first stages' weights before griddepcontrol.wait (see the kernel).
-  // release_sms needs the tile counter (a released block's later tiles go to whoever asks next) and a block on some
-  // other SM: more blocks than the released SMs can hold.
-  auto release_for = [&](int grid, int per_sm) {
-    return plan.release_sms > 0 && plan.tile_counters && plan.release_sms < sm_count() &&
-                   grid > per_sm * plan.release_sms
-               ? plan.release_sms
-               : 0;
-  };
-  int release = 0;
   auto go = [&](auto kernel, int stages, int grid) {
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
-               act, y, pf, plan.prewait_stages, GATHER ? release : 0, xg, slot_token,
-               GATHER ? plan.tile_counters : nullptr, masks,
+               act, y, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks,
                mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int grid = shared_sm_grid(plan, tiles);
-    release = release_for(grid, plan.stages == kStagesShared3 ? 3 : 2);
     if (plan.stages == kStagesShared3)
       go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED>, kStagesShared3, grid);
     else if (plan.stages == kStagesShared5)
