@@ -53,10 +53,11 @@ struct CudaOptions {
   bool cuda_graphs = true;
   // With cuda_graphs: a whole denoise step (ids upload, embedding, SC, the layers, lm_head, row statistics, the
   // statistics' download) as one CUDA graph, for the steps whose launches depend only on (rows, kv length, temperature,
-  // SC mode): no trace or stage timing, no logits for the host, no sparse SC, no caller SC logits. The host's ~40
-  // launches around the layers' graph left the GPU idle ~0.2 ms a step (Nsight Systems, session 11). Off until
-  // measured (written after session 11's device time ran out). A/B: bench --whole-step-graph.
-  bool whole_step_graph = false;
+  // SC mode): no trace or stage timing, no logits for the host, no sparse SC, no caller SC logits. The ids are read
+  // from mapped pinned memory and the statistics written back by a kernel (no memcpy nodes). Bitwise the same as the
+  // layers' graph; on the H200 (docs/BENCHMARKS.md, session 12) 0.00-0.08 ms faster a 4K step in each of four calls
+  // (fewer host launches a step). A/B: bench --layer-graph.
+  bool whole_step_graph = true;
   // Canvas-sized passes (denoise, commit) run the experts as two strided-batched cuBLASLt GEMMs over every expert
   // padded to 2 x mean rows (moe_group_padded; rows past that through the grouped kernels), gate/up kept in f32
   // before the activation exactly as the grouped kernels do. On the H200 (docs/BENCHMARKS.md 2026-11-30) it cuts the
