@@ -44,6 +44,7 @@ struct BenchArgs {
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
+  bool dense_down_in_experts = false;
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1;
   int tma_stages = 3;  // CudaOptions::tma_experts_stages' default
@@ -148,6 +149,7 @@ int run_bench(const BenchArgs& args) {
   opt.pack_expert_gate_up = !args.no_pack_gate_up;
   opt.pack_expert_down = !args.no_pack_down;
   opt.dense_down_last = !args.dense_down_first;
+  opt.dense_down_in_experts = args.dense_down_in_experts;
   opt.narrow_assignment = !args.wide_assignment;
   opt.tma_weight_l2_promotion = args.tma_l2_promotion;
   opt.tma_experts_grid = args.tma_grid;
@@ -182,6 +184,7 @@ int run_bench(const BenchArgs& args) {
   out["reps"] = args.reps;
   out["cuda_graphs"] = !no_graphs;
   out["whole_step_graph"] = !args.layer_graph;
+  out["dense_down_in_experts"] = args.dense_down_in_experts;
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = opt.dense_mlp_sms;
   out["pdl"] = !args.no_pdl;
@@ -399,6 +402,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--dense-mlp-priority", a->dense_mlp_priority,
                                     "A/B: the dense MLP's stream at the highest priority "
                                     "(CudaOptions::dense_mlp_priority)");
+                       sub.add_flag("--dense-down-in-experts", a->dense_down_in_experts,
+                                    "A/B: the dense MLP's down projection as tiles of the fused expert launch "
+                                    "(CudaOptions::dense_down_in_experts)");
                        sub.add_flag("--layer-graph", a->layer_graph,
                                     "A/B: only the layers of a denoise step as one CUDA graph, the rest launched "
                                     "from the host (CudaOptions::whole_step_graph = false)");

@@ -17,6 +17,9 @@ class Gemm;  // gemm.h
 // ---- elementwise / row kernels (kernels_rows.cu) ----
 // out[t, :] = E[ids[t], :] * scale (f32 out; the residual stream is f32).
 void embed_scale(const int32_t* ids, int T, const bf16* E, int H, float scale, float* out, cudaStream_t s);
+// *flag = 1 once every kernel before it on s has completed (a PDL-launched single thread): releases a buffer to a
+// kernel on another stream that waits for the flag (FusedDenseDown::ready).
+void set_flag_after(unsigned* flag, cudaStream_t s);
 // dst[i] = src[i] for `words` 32-bit words, as a kernel (dst may be mapped pinned host memory: a CUDA graph then needs
 // no memcpy node for it). Both 4-byte aligned.
 void copy_words(const void* src, size_t words, void* dst, cudaStream_t s);
@@ -253,6 +256,18 @@ TmaMap tma_map_bf16_heads(const bf16* p, int64_t rows, int heads, int D, int box
 //            E 32, I, 32)
 // How the TMA expert kernels are laid out on the GPU (TmaExpertsPlan{} = the default); the result never depends on
 // it (every output element is summed by one block in a fixed k order).
+// A dense down projection run as extra tiles of the fused expert launch (moe_experts_fused_tma_masked):
+// out[T, H] = bf16(act[T, I] . W[H, I]^T), W packed as pack_expert_down with E = 1. Its tiles (128 rows of H x 32
+// tokens) come after every gate_up tile and before the expert down tiles; their producers first wait until *ready >= 1
+// (set after act is complete, e.g. by set_flag_after on act's stream), and the launch's last block zeroes *ready.
+struct FusedDenseDown {
+  const bf16* act = nullptr;
+  const bf16* w_packed = nullptr;  // null: no dense tiles
+  bf16* out = nullptr;
+  int T = 0, I = 0;
+  unsigned* ready = nullptr;
+};
+
 struct TmaExpertsPlan {
   // > 0 (below the device's SM count): at most that many blocks, one per SM with an 8-stage ring, leaving the other
   // SMs to a concurrent stream (the dense MLP). 0: two blocks per SM.
@@ -279,6 +294,8 @@ struct TmaExpertsPlan {
   // read. Bitwise the same results (the stages land in shared memory byte for byte as the 2D boxes do).
   const bf16* gate_up_packed = nullptr;
   const bf16* down_packed = nullptr;
+  // The fused launch only: a dense down projection as extra tiles (see FusedDenseDown).
+  FusedDenseDown dense{};
 };
 // Whether expert weights of these shapes have a packed layout (expert_layout.h): gate_up needs H and I multiples of
 // 64, down H a multiple of 128 and I of 64.

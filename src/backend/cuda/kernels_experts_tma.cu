@@ -108,13 +108,17 @@ __global__ void __launch_bounds__(kThreads, 1)
                   int l2_prefetch_slices, int prewait_stages, const bf16* __restrict__ xg,
                   const int32_t* __restrict__ slot_token,
                   unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
-                  const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed) {
+                  const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed, FusedDenseDown dense) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
   static_assert(!FUSED || (GATED && GATHER), "the fused kernel is the gathered gate_up followed by down");
 #if defined(DG_EXPERTS_TMA)
   const int rows_per_expert = GATED ? 2 * I : H, tiles_n = GATED ? I / 64 : H / 128, K = GATED ? H : I;
-  // FUSED: tiles [0, n_gate) are gate_up's (tmW), then E * H / 128 down tiles (tmX holds the down weights).
-  const int n_gate = E * tiles_n, n_tiles = FUSED ? n_gate + E * (H / 128) : n_gate, nk = K / kBK;
+  // FUSED: tiles [0, n_gate) are gate_up's (tmW), then n_dense tiles of the dense down projection (FusedDenseDown:
+  // row tile major, dense_groups token groups of 32 a row tile), then E * H / 128 down tiles (tmX holds the down
+  // weights).
+  const int dense_groups = (dense.T + kTok - 1) / kTok;
+  const int n_dense = FUSED && dense.w_packed ? (H / 128) * dense_groups : 0, dense_nk = dense.I / kBK;
+  const int n_gate = E * tiles_n, n_tiles = FUSED ? n_gate + n_dense + E * (H / 128) : n_gate, nk = K / kBK;
   const int down_tiles_n = H / 128, down_nk = I / kBK;
   unsigned* const expert_done = FUSED ? tile_ctr + 2 : nullptr;  // per expert: consumer warps done with its gate_up
   const unsigned gate_done = 4u * unsigned(tiles_n);             // ... when all its gate_up tiles are stored
@@ -123,8 +127,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t full0 = base + kStages * kStageBytes, empty0 = full0 + 8 * kStages, slot0 = empty0 + 8 * kStages;
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   auto weight_rows = [&](int tile, int& row_a, int& row_b) {
+    if (FUSED && tile >= n_gate && tile < n_gate + n_dense) {  // packed only: no tensor-map rows
+      row_a = row_b = 0;
+      return;
+    }
     if (FUSED && tile >= n_gate) {
-      const int d = tile - n_gate, e = d / down_tiles_n, nt = d % down_tiles_n;
+      const int d = tile - n_gate - n_dense, e = d / down_tiles_n, nt = d % down_tiles_n;
       row_a = e * H + nt * 128;
       row_b = row_a + 64;
       return;
@@ -134,9 +142,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     row_b = row_a + (GATED ? I : 64);
   };
   // FUSED: the expert of a tile, whether it is a down tile, and its k slices.
-  auto is_down = [&](int tile) { return FUSED && tile >= n_gate; };
-  auto expert_of = [&](int tile) { return is_down(tile) ? (tile - n_gate) / down_tiles_n : tile / tiles_n; };
-  auto slices_of = [&](int tile) { return is_down(tile) ? down_nk : nk; };
+  auto is_dense = [&](int tile) { return FUSED && tile >= n_gate && tile < n_gate + n_dense; };
+  auto is_down = [&](int tile) { return FUSED && tile >= n_gate + n_dense; };
+  auto expert_of = [&](int tile) {
+    return is_down(tile) ? (tile - n_gate - n_dense) / down_tiles_n : is_dense(tile) ? 0 : tile / tiles_n;
+  };
+  auto slices_of = [&](int tile) { return is_down(tile) ? down_nk : is_dense(tile) ? dense_nk : nk; };
   // Without GATHER: expert e's valid rows, rows[e] or (masks) its tokens capped at 32. warp: the calling warp's 32
   // lanes all call (one mask word a lane), else one thread alone. After griddepcontrol.wait only.
   auto rows_of = [&](int e, bool warp_wide) {
@@ -165,11 +176,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Packed stages are in tile order: gate_up tiles (and a down kernel's) by their own index, the fused kernel's down
   // tiles by their index among the down tiles.
   auto packed_stage = [&](int tile, int kt) -> const bf16* {
+    if (is_dense(tile)) return dense.w_packed + expert_packed_stage(size_t((tile - n_gate) / dense_groups), dense_nk, kt);
     const bool gate_tile = GATED && !(FUSED && tile >= n_gate);
     const bf16* w = gate_tile ? gu_packed : dn_packed;
     if (!w) return nullptr;
     const bool fused_down = FUSED && !gate_tile;
-    return w + expert_packed_stage(size_t(fused_down ? tile - n_gate : tile), fused_down ? down_nk : nk, kt);
+    return w + expert_packed_stage(size_t(fused_down ? tile - n_gate - n_dense : tile), fused_down ? down_nk : nk, kt);
   };
   // One stage's weights (k slice kt of tile `tile`, rows row_a / row_b), after one arrive.expect_tx of `expect` bytes
   // on its full barrier: two 2D boxes through the tensor map, or (packed weights) the stage's 16 KB image as one 1D
@@ -261,18 +273,39 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (leader) t = int(atomicAdd(tile_ctr, 1u)) + int(gridDim.x);
       return __shfl_sync(0xffffffffu, t, 0);
     };
+    bool dense_ready = false;
     for (int tile = first < n_tiles ? first : next_tile(first); tile < n_tiles; tile = next_tile(tile)) {
       const int e = expert_of(tile);
-      const bool down = is_down(tile);
-      int cnt = 0;
-      // A down tile's rows are the expert's own act rows, slot ln in row ln: only the count is wanted.
-      const int tok = slot_token_of(e, cnt, !down);
-      const int src_row = down ? (ln < cnt ? ln : -1) : tok;  // -1: a padding slot, zero-filled
+      const bool down = is_down(tile), dense_tile = is_dense(tile);
+      int cnt = 0, tok = -1, src_row = -1;
+      const bf16* src = nullptr;
+      if (dense_tile) {  // token group g: rows 32 g + slot of the dense activation
+        const int g0 = ((tile - n_gate) % dense_groups) * kTok;
+        cnt = min(kTok, dense.T - g0);
+        src_row = ln < cnt ? g0 + ln : -1;
+        src = dense.act + size_t(src_row >= 0 ? src_row : 0) * size_t(dense.I);
+      } else {
+        // A down tile's rows are the expert's own act rows, slot ln in row ln: only the count is wanted.
+        tok = slot_token_of(e, cnt, !down);
+        src_row = down ? (ln < cnt ? ln : -1) : tok;  // -1: a padding slot, zero-filled
+        src = down ? act + (size_t(e) * kTok + size_t(src_row >= 0 ? src_row : 0)) * size_t(I)
+                   : xg + (tok >= 0 ? size_t(tok) * size_t(H) : 0);
+      }
       if (cnt <= 0 && tile != first) continue;  // an expert without rows: no reads (its first tile is run regardless)
       int row_a, row_b;
       weight_rows(tile, row_a, row_b);
-      const bf16* src = down ? act + (size_t(e) * kTok + size_t(src_row >= 0 ? src_row : 0)) * size_t(I)
-                             : xg + (tok >= 0 ? size_t(tok) * size_t(H) : 0);
+      if (dense_tile && !dense_ready) {
+        // The dense activation, once its stream has released it (FusedDenseDown::ready; acquire, as below). The stage
+        // still pending its arrival goes first, as for the down tiles.
+        if (have_pend) {
+          asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          mbar_arrive(pend);
+          have_pend = false;
+        }
+        wait_count(dense.ready, 1u);
+        dense_ready = true;
+      }
       if (down && cnt > 0) {
         // The expert's activation rows, once every gate_up tile of the expert is stored (the consumer warps count
         // them in expert_done with release semantics; this acquire pairs with them). Each lane waits for itself:
@@ -343,8 +376,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       // The last block also zeroes expert_done. Every count has its final value by now: each expert with rows has
       // down tiles, whose producers (all finished before this block's count above) waited for all its gate_up
       // tiles; experts without rows are never counted.
-      if (__shfl_sync(0xffffffffu, last, 0))
+      if (__shfl_sync(0xffffffffu, last, 0)) {
         for (int e = ln; e < E; e += 32) atomicExch(expert_done + e, 0u);
+        if (n_dense > 0 && ln == 0) atomicExch(dense.ready, 0u);  // every dense producer has passed its wait
+      }
     }
   };
 
@@ -451,8 +486,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         continue;
       }
     }
-    const bool down = is_down(tile);
-    const int e = expert_of(tile), nt = down ? (tile - n_gate) % down_tiles_n : tile % tiles_n;
+    const bool down = is_down(tile), dense_tile = is_dense(tile);
+    const int e = expert_of(tile);
+    const int nt = down ? (tile - n_gate - n_dense) % down_tiles_n
+                        : dense_tile ? (tile - n_gate) / dense_groups : tile % tiles_n;
+    const int dense_g0 = dense_tile ? ((tile - n_gate) % dense_groups) * kTok : 0;
     float d0[16], d1[16];  // tile rows 0-63 (gate / first half) and 64-127 (up / second half)
 #pragma unroll
     for (int i = 0; i < 16; ++i) d0[i] = 0.f, d1[i] = 0.f;
@@ -487,6 +525,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < 2; ++c) {
           const int tok = 8 * j + t0 + c, idx = 4 * j + 2 * i + c, r = r0 + 8 * i;
           if (tok >= cnt) continue;
+          if (dense_tile) {  // bf16 out, as the cuBLASLt GEMM it replaces writes it
+            const size_t orow = size_t(dense_g0 + tok) * H + size_t(nt) * 128;
+            dense.out[orow + r] = __float2bfloat16(d0[idx]);
+            dense.out[orow + 64 + r] = __float2bfloat16(d1[idx]);
+            continue;
+          }
           const size_t row = size_t(e) * kTok + tok;
           if (GATED && !down) {
             act[row * I + nt * 64 + r] = __float2bfloat16(gelu_tanh(d0[idx]) * d1[idx]);
@@ -495,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             y[row * H + nt * 128 + 64 + r] = d1[idx];
           }
         }
-    if (FUSED && !down && cnt > 0) {  // release this warp's act stores to the down tiles' producers
+    if (FUSED && !down && !dense_tile && cnt > 0) {  // release this warp's act stores to the down tiles' producers
       __syncwarp();
       if (lane == 0) {
         __threadfence();
@@ -596,7 +640,8 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   auto go = [&](auto kernel, int stages, int grid) {
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
                act, y, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks,
-               mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr);
+               mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr,
+               FUSED ? plan.dense : FusedDenseDown{});
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int grid = shared_sm_grid(plan, tiles);
@@ -685,6 +730,13 @@ void moe_experts_fused_tma_masked(const TmaMap& w_gate_up, const TmaMap& w_down,
   if (!plan.tile_counters)
     throw_cuda_error("moe_experts_fused_tma_masked", "needs plan.tile_counters (2 + E zeroed unsigneds)", 0,
                      __FILE__, __LINE__);
+  const FusedDenseDown& d = plan.dense;
+  if (d.w_packed && (!d.act || !d.out || !d.ready || d.T < 1 || d.T > 32 * 32 || !expert_down_packable(H, d.I) ||
+                     ((reinterpret_cast<uintptr_t>(d.act) | reinterpret_cast<uintptr_t>(d.w_packed)) & 15) != 0))
+    throw_cuda_error("moe_experts_fused_tma_masked",
+                     "plan.dense needs act, out and ready, 1 <= T <= 1024, H % 128 == 0, I % 64 == 0 and 16-byte "
+                     "aligned act and weights",
+                     0, __FILE__, __LINE__);
   // The grid is capped at the gate_up tile count (launch_experts_tma), so every block's first tile is a gate_up
   // tile and all gate_up tiles are handed out before any down tile.
   launch_experts_tma<true, true, true>(w_gate_up, w_down, nullptr, E, H, I, act, y, plan, s, x, nullptr,
