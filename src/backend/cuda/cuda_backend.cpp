@@ -87,6 +87,7 @@ class CudaWeights {
         cuda::moe_padded_rows_per_expert(cfg_.canvas_length, cfg_.top_k_experts, E), H, Ie);
     pack_gate_up_ = opt.pack_expert_gate_up && tma_ok && cuda::expert_gate_up_packable(H, Ie);
     pack_down_ = opt.pack_expert_down && tma_ok && cuda::expert_down_packable(H, Ie);
+    pack_dense_down_ = opt.dense_down_in_experts && pack_down_ && cuda::expert_down_packable(H, cfg_.intermediate_size);
     // Packing goes through one layer's gate_up worth of scratch (down is half of it), freed after the upload.
     const size_t pack_scratch =
         pack_gate_up_ || pack_down_ ? size_t(E) * 2 * size_t(Ie) * size_t(H) * sizeof(bf16) : 0;
@@ -141,7 +142,7 @@ class CudaWeights {
       L.dense_gu = ar.take<bf16>(2 * Id * H);
       L.dense_down = ar.take<bf16>(H * Id);
       // A packed copy for the fused expert launch's dense tiles (CudaOptions::dense_down_in_experts).
-      L.dense_down_packed = pack_down_ && cuda::expert_down_packable(int(H), int(Id)) ? ar.take<bf16>(H * Id) : nullptr;
+      L.dense_down_packed = pack_dense_down_ ? ar.take<bf16>(H * Id) : nullptr;
       L.exp_gu = ar.take<bf16>(E * 2 * Ie * H);
       L.exp_down = ar.take<bf16>(E * H * Ie);
       L.q_norm = ar.take<float>(D);
@@ -323,6 +324,7 @@ class CudaWeights {
   float *final_norm_ = nullptr, *sc_pre_norm_ = nullptr;
   bool pack_gate_up_ = false;     // CudaOptions::pack_expert_gate_up where the shapes and the GPU allow it
   bool pack_down_ = false;        // CudaOptions::pack_expert_down likewise
+  bool pack_dense_down_ = false;  // a packed copy of each dense down projection (CudaOptions::dense_down_in_experts)
   std::vector<DevLayer> layers_;  // weight pointers only (no KV)
 };
 

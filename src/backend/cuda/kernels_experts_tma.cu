@@ -101,7 +101,10 @@ __device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
 // count their number capped at 32; rows and slot_token are not read. The producer lanes hold one mask word each and
 // find their slot's token with a prefix count, so no assignment kernel stands between the router and gate_up.
 
-template <bool GATED, int kStages, bool GATHER = false, bool FUSED = false>
+// DENSE (FUSED only): the launch also runs FusedDenseDown's tiles; a separate instantiation, so that the plain fused
+// kernel keeps its registers (88 against 110 with the dense tiles compiled in: the narrow assignment beside it needs
+// the ones it leaves).
+template <bool GATED, int kStages, bool GATHER = false, bool FUSED = false, bool DENSE = false>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
@@ -117,7 +120,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // row tile major, dense_groups token groups of 32 a row tile), then E * H / 128 down tiles (tmX holds the down
   // weights).
   const int dense_groups = (dense.T + kTok - 1) / kTok;
-  const int n_dense = FUSED && dense.w_packed ? (H / 128) * dense_groups : 0, dense_nk = dense.I / kBK;
+  static_assert(!DENSE || FUSED, "dense tiles ride the fused launch");
+  const int n_dense = DENSE ? (H / 128) * dense_groups : 0, dense_nk = dense.I / kBK;
   const int n_gate = E * tiles_n, n_tiles = FUSED ? n_gate + n_dense + E * (H / 128) : n_gate, nk = K / kBK;
   const int down_tiles_n = H / 128, down_nk = I / kBK;
   unsigned* const expert_done = FUSED ? tile_ctr + 2 : nullptr;  // per expert: consumer warps done with its gate_up
@@ -127,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t full0 = base + kStages * kStageBytes, empty0 = full0 + 8 * kStages, slot0 = empty0 + 8 * kStages;
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   auto weight_rows = [&](int tile, int& row_a, int& row_b) {
-    if (FUSED && tile >= n_gate && tile < n_gate + n_dense) {  // packed only: no tensor-map rows
+    if (DENSE && tile >= n_gate && tile < n_gate + n_dense) {  // packed only: no tensor-map rows
       row_a = row_b = 0;
       return;
     }
@@ -142,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     row_b = row_a + (GATED ? I : 64);
   };
   // FUSED: the expert of a tile, whether it is a down tile, and its k slices.
-  auto is_dense = [&](int tile) { return FUSED && tile >= n_gate && tile < n_gate + n_dense; };
+  auto is_dense = [&](int tile) { return DENSE && tile >= n_gate && tile < n_gate + n_dense; };
   auto is_down = [&](int tile) { return FUSED && tile >= n_gate + n_dense; };
   auto expert_of = [&](int tile) {
     return is_down(tile) ? (tile - n_gate - n_dense) / down_tiles_n : is_dense(tile) ? 0 : tile / tiles_n;
@@ -378,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // tiles; experts without rows are never counted.
       if (__shfl_sync(0xffffffffu, last, 0)) {
         for (int e = ln; e < E; e += 32) atomicExch(expert_done + e, 0u);
-        if (n_dense > 0 && ln == 0) atomicExch(dense.ready, 0u);  // every dense producer has passed its wait
+        if (DENSE && ln == 0) atomicExch(dense.ready, 0u);  // every dense producer has passed its wait
       }
     }
   };
@@ -572,7 +576,11 @@ bool experts_tma_supported(int M, int H, int I) {
                              std::pair{experts_tma_k<true, kStagesShared, true, true>, kStagesShared},
                              std::pair{experts_tma_k<true, kStagesShared3, true, true>, kStagesShared3},
                              std::pair{experts_tma_k<true, kStagesShared5, true, true>, kStagesShared5},
-                             std::pair{experts_tma_k<true, kStagesOwn, true, true>, kStagesOwn}})
+                             std::pair{experts_tma_k<true, kStagesOwn, true, true>, kStagesOwn},
+                             std::pair{experts_tma_k<true, kStagesShared, true, true, true>, kStagesShared},
+                             std::pair{experts_tma_k<true, kStagesShared3, true, true, true>, kStagesShared3},
+                             std::pair{experts_tma_k<true, kStagesShared5, true, true, true>, kStagesShared5},
+                             std::pair{experts_tma_k<true, kStagesOwn, true, true, true>, kStagesOwn}})
       CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(stages)));
     return true;
   }();
@@ -623,7 +631,7 @@ int shared_sm_grid(const TmaExpertsPlan& plan, int tiles) {
   return std::min(tiles, plan.grid > 0 ? std::min(plan.grid, per_sm * sm_count()) : per_sm * sm_count());
 }
 
-template <bool GATED, bool GATHER, bool FUSED = false>
+template <bool GATED, bool GATHER, bool FUSED = false, bool DENSE = false>
 void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, int E, int H, int I, bf16* act,
                         float* y, const TmaExpertsPlan& plan, cudaStream_t s, const bf16* xg = nullptr,
                         const int32_t* slot_token = nullptr, const unsigned* masks = nullptr, int mask_words = 0) {
@@ -641,18 +649,18 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
                act, y, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks,
                mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr,
-               FUSED ? plan.dense : FusedDenseDown{});
+               DENSE ? plan.dense : FusedDenseDown{});
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int grid = shared_sm_grid(plan, tiles);
     if (plan.stages == kStagesShared3)
-      go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED>, kStagesShared3, grid);
+      go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED, DENSE>, kStagesShared3, grid);
     else if (plan.stages == kStagesShared5)
-      go(experts_tma_k<GATED, kStagesShared5, GATHER, FUSED>, kStagesShared5, grid);
+      go(experts_tma_k<GATED, kStagesShared5, GATHER, FUSED, DENSE>, kStagesShared5, grid);
     else
-      go(experts_tma_k<GATED, kStagesShared, GATHER, FUSED>, kStagesShared, grid);
+      go(experts_tma_k<GATED, kStagesShared, GATHER, FUSED, DENSE>, kStagesShared, grid);
   } else {
-    go(experts_tma_k<GATED, kStagesOwn, GATHER, FUSED>, kStagesOwn, std::min(tiles, plan.sms));
+    go(experts_tma_k<GATED, kStagesOwn, GATHER, FUSED, DENSE>, kStagesOwn, std::min(tiles, plan.sms));
   }
 }
 
@@ -739,8 +747,12 @@ void moe_experts_fused_tma_masked(const TmaMap& w_gate_up, const TmaMap& w_down,
                      0, __FILE__, __LINE__);
   // The grid is capped at the gate_up tile count (launch_experts_tma), so every block's first tile is a gate_up
   // tile and all gate_up tiles are handed out before any down tile.
-  launch_experts_tma<true, true, true>(w_gate_up, w_down, nullptr, E, H, I, act, y, plan, s, x, nullptr,
-                                       expert_masks, (T + 31) / 32);
+  if (d.w_packed)
+    launch_experts_tma<true, true, true, true>(w_gate_up, w_down, nullptr, E, H, I, act, y, plan, s, x, nullptr,
+                                               expert_masks, (T + 31) / 32);
+  else
+    launch_experts_tma<true, true, true>(w_gate_up, w_down, nullptr, E, H, I, act, y, plan, s, x, nullptr,
+                                         expert_masks, (T + 31) / 32);
 }
 
 void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const void* src1, void* dst1, size_t bytes1,
