@@ -222,11 +222,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The GATHER producer (all 32 lanes of warp 4; see above the kernel). Lane 0 also issues the weight boxes.
   auto produce_gathered = [&](int ln) {
     const bool leader = ln == 0;
-    uint64_t evict_first = 0;
+    uint64_t evict_first = 0, evict_normal = 0;  // the dense tiles' weights: read by dense_groups tiles, keep them
     if (leader) {
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmW)) : "memory");
       if (FUSED) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmX)) : "memory");
       asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
+      if (DENSE) asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(evict_normal));
     }
     constexpr uint32_t kWBytes = 2 * kWBoxBytes;
     // Before griddepcontrol.wait: the first stages' weight boxes only (constants), as the TMA producer does.
@@ -329,7 +330,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
         if (!(tile == first && kt < npre)) {  // else: stage kt of the fresh ring, its weights already requested
           mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
-          if (leader) issue_weights(st, full, tile, kt, row_a, row_b, kWBytes, evict_first, down);
+          if (leader)
+            issue_weights(st, full, tile, kt, row_a, row_b, kWBytes, dense_tile ? evict_normal : evict_first, down);
         }
         if (leader && kt == 0) {  // before the leader's lane arrival, which every phase of the stage waits for
           st_shared_s32(slot0 + 8 * s, tile);
