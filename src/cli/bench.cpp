@@ -1,6 +1,7 @@
 // `diffgemma bench`: ms per denoise step and prefill tok/s on the GPU, with synthetic full-size weights generated on
 // the device (no checkpoint needed) or a real checkpoint (-m DIR). Timed with CUDA events after warm-up; medians.
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -78,6 +79,40 @@ struct Timer {
   }
 };
 
+// "MxNxK" (a GEMM shape as gemm_tuned.inc writes m, n, k) at the front of s; used: the characters it took.
+bool scan_gemm_shape(const std::string& s, std::array<int, 3>& mnk, int& used) {
+  used = 0;
+  return std::sscanf(s.c_str(), "%dx%dx%d%n", &mnk[0], &mnk[1], &mnk[2], &used) == 3;
+}
+
+// --gemm-untable and --gemm-config into the GEMM planner.
+void apply_gemm_ab_options(const BenchArgs& args) {
+  std::vector<std::array<int, 3>> skip;
+  for (const std::string& shape : args.gemm_untable) {
+    std::array<int, 3> mnk{};
+    int used = 0;
+    if (!scan_gemm_shape(shape, mnk, used) || used != int(shape.size()))
+      fail("--gemm-untable: '{}' is not a shape MxNxK (e.g. 4352x256x512)", shape);
+    skip.push_back(mnk);
+  }
+  cuda::set_gemm_table_skip(std::move(skip));
+  std::vector<std::pair<std::array<int, 3>, std::array<int64_t, 9>>> configs;
+  for (const std::string& spec : args.gemm_configs) {
+    std::array<int, 3> mnk{};
+    std::array<long long, 9> c{};
+    int used = 0, rest = 0;
+    if (!scan_gemm_shape(spec, mnk, used) ||
+        std::sscanf(spec.c_str() + used, "=%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld%n", &c[0], &c[1], &c[2], &c[3],
+                    &c[4], &c[5], &c[6], &c[7], &c[8], &rest) != 9 ||
+        used + rest != int(spec.size()))
+      fail("--gemm-config: '{}' is not MxNxK=c0,c1,...,c8 (e.g. 2816x256x2112=66,27,1,0,0,2,35,0,2)", spec);
+    std::array<int64_t, 9> config{};
+    for (size_t i = 0; i < 9; ++i) config[i] = c[i];
+    configs.emplace_back(mnk, config);
+  }
+  cuda::set_gemm_config_override(std::move(configs));
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
@@ -89,32 +124,7 @@ int run_bench(const BenchArgs& args) {
   const std::vector<int> contexts = parse_sizes(args.contexts), prefills = parse_sizes(args.prefills);
   cuda::set_gemm_tuning(args.tune_gemm);
   cuda::set_gemm_table(!args.untuned_gemm);
-  {
-    std::vector<std::array<int, 3>> skip;
-    for (const std::string& shape : args.gemm_untable) {
-      std::array<int, 3> mnk{};
-      char x1 = 0, x2 = 0, extra = 0;
-      if (std::sscanf(shape.c_str(), "%d%c%d%c%d%c", &mnk[0], &x1, &mnk[1], &x2, &mnk[2], &extra) != 5 || x1 != 'x' ||
-          x2 != 'x')
-        fail("--gemm-untable: '{}' is not a shape MxNxK (e.g. 4352x256x512)", shape);
-      skip.push_back(mnk);
-    }
-    cuda::set_gemm_table_skip(std::move(skip));
-    std::vector<std::pair<std::array<int, 3>, std::array<int64_t, 9>>> configs;
-    for (const std::string& spec : args.gemm_configs) {
-      std::array<int, 3> mnk{};
-      std::array<long long, 9> c{};
-      int used = 0;
-      if (std::sscanf(spec.c_str(), "%dx%dx%d=%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld%n", &mnk[0], &mnk[1], &mnk[2],
-                      &c[0], &c[1], &c[2], &c[3], &c[4], &c[5], &c[6], &c[7], &c[8], &used) != 12 ||
-          used != int(spec.size()))
-        fail("--gemm-config: '{}' is not MxNxK=c0,c1,...,c8 (e.g. 2816x256x2112=66,27,1,0,0,2,35,0,2)", spec);
-      std::array<int64_t, 9> config{};
-      for (size_t i = 0; i < 9; ++i) config[i] = c[i];
-      configs.emplace_back(mnk, config);
-    }
-    cuda::set_gemm_config_override(std::move(configs));
-  }
+  apply_gemm_ab_options(args);
   cuda::set_pdl(!args.no_pdl);
   cuda::set_attention_splits(args.attn_splits);
   cuda::set_attention_tma(!args.no_attn_tma);

@@ -668,7 +668,7 @@ class CudaBackend final : public Backend {
     // below: with memcpy nodes the graph's first kernel started ~80 us after its launch (H200 trace, session 12).
     const float sqrt_h = std::sqrt(float(H));
     if (capturing) {
-      cuda::embed_scale(mapped_ids_, L, weights_->embed_, H, sqrt_h, s_.h, stream_);
+      embed_ids(mapped_ids_, L);
     } else {
       embed_staged(L);
     }
@@ -766,12 +766,15 @@ class CudaBackend final : public Backend {
     mark(-1);  // start of a timed denoise step (no-op otherwise)
     std::memcpy(host_ids_, ids.data(), ids.size() * 4);
   }
-  // The staged ids to the device, then h = E[ids] * sqrt(H). HF multiplies by sqrt(H) in the weight dtype (53.0);
-  // the CPU oracle uses f32 sqrt(H), and so do we.
+  // The staged ids to the device, then embed_ids.
   void embed_staged(int n) {
     CUDA_CHECK(cudaMemcpyAsync(s_.ids, host_ids_, size_t(n) * 4, cudaMemcpyHostToDevice, stream_));
-    cuda::embed_scale(s_.ids, n, weights_->embed_, cfg_.hidden_size, std::sqrt(float(cfg_.hidden_size)), s_.h,
-                      stream_);
+    embed_ids(s_.ids, n);
+  }
+  // h = E[ids] * sqrt(H), ids in device-visible memory. HF multiplies by sqrt(H) in the weight dtype (53.0); the CPU
+  // oracle uses f32 sqrt(H), and so do we.
+  void embed_ids(const int32_t* ids, int n) {
+    cuda::embed_scale(ids, n, weights_->embed_, cfg_.hidden_size, std::sqrt(float(cfg_.hidden_size)), s_.h, stream_);
   }
 
   // sig = softmax(logits / T) @ E (the sqrt(H) factor is applied by the caller)

@@ -241,6 +241,22 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
   if (ok.empty())
     fail("cuBLASLt found no algorithm for a {}x{}x{} GEMM ({} operands)", m, n, k, all_f32 ? "f32" : "bf16");
   int pick = ok[0];
+  // A configuration the heuristic did not return (the tuner's per-id search found it, or bench --gemm-config names
+  // it): built from its attributes, checked against this problem and the precision policy, then picked (and timed
+  // too in tuning mode).
+  auto adopt = [&](const AlgoConfig& config) {
+    cublasLtMatmulHeuristicResult_t built{};
+    if (!algo_of_config(handle_, config, a_type, b_type, c_type, p.op, p.a, p.b, p.c, workspace_bytes_, built.algo,
+                        built.workspaceSize) ||
+        !acceptable(built.algo))
+      return false;
+    built.state = CUBLAS_STATUS_SUCCESS;
+    res.push_back(built);
+    pick = int(res.size()) - 1;
+    ok.push_back(pick);
+    found = int(res.size());
+    return true;
+  };
   const int table_batch = pointer_array ? -batch : batch;
   const bool skipped = std::find(g_table_skip.begin(), g_table_skip.end(), std::array<int, 3>{m, n, k}) !=
                        g_table_skip.end();
@@ -252,34 +268,12 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
     bool matched = false;
     for (int i : ok)
       if (config_of(res[size_t(i)].algo) == t.config) pick = i, matched = true;
-    // A configuration found by the per-id search is not among the overall heuristic's: built from its attributes.
-    if (!matched) {
-      cublasLtMatmulHeuristicResult_t built{};
-      if (algo_of_config(handle_, t.config, a_type, b_type, c_type, p.op, p.a, p.b, p.c, workspace_bytes_,
-                         built.algo, built.workspaceSize) &&
-          acceptable(built.algo)) {
-        built.state = CUBLAS_STATUS_SUCCESS;
-        res.push_back(built);
-        pick = int(res.size()) - 1;
-        ok.push_back(pick);  // timed too in tuning mode
-        found = int(res.size());
-      }
-    }
+    if (!matched) adopt(t.config);  // found by the per-id search, not among the overall heuristic's
   }
-  for (const auto& [shape, config] : g_config_override) {
-    if (shape != std::array<int, 3>{m, n, k}) continue;
-    cublasLtMatmulHeuristicResult_t built{};
-    if (!algo_of_config(handle_, config, a_type, b_type, c_type, p.op, p.a, p.b, p.c, workspace_bytes_, built.algo,
-                        built.workspaceSize) ||
-        !acceptable(built.algo))
+  for (const auto& [shape, config] : g_config_override)
+    if (shape == std::array<int, 3>{m, n, k} && !adopt(config))
       fail("--gemm-config: cuBLASLt rejects {} for the {}x{}x{} GEMM (or it breaks the precision policy)",
            config_text(config), m, n, k);
-    built.state = CUBLAS_STATUS_SUCCESS;
-    res.push_back(built);
-    pick = int(res.size()) - 1;
-    ok.push_back(pick);
-    found = int(res.size());
-  }
   if (tune) {
     // Time every acceptable candidate on the real operands as the engine runs it: inside a CUDA graph, each call
     // right after a kernel (a one-word copy_words). Back-to-back eager calls hid what a configuration costs there:

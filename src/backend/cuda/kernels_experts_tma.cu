@@ -130,8 +130,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t full0 = base + kStages * kStageBytes, empty0 = full0 + 8 * kStages, slot0 = empty0 + 8 * kStages;
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
+  auto is_dense = [&](int tile) { return DENSE && tile >= n_gate && tile < n_gate + n_dense; };
   auto weight_rows = [&](int tile, int& row_a, int& row_b) {
-    if (DENSE && tile >= n_gate && tile < n_gate + n_dense) {  // packed only: no tensor-map rows
+    if (is_dense(tile)) {  // packed only: no tensor-map rows
       row_a = row_b = 0;
       return;
     }
@@ -146,7 +147,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     row_b = row_a + (GATED ? I : 64);
   };
   // FUSED: the expert of a tile, whether it is a down tile, and its k slices.
-  auto is_dense = [&](int tile) { return DENSE && tile >= n_gate && tile < n_gate + n_dense; };
   auto is_down = [&](int tile) { return FUSED && tile >= n_gate + n_dense; };
   auto expert_of = [&](int tile) {
     return is_down(tile) ? (tile - n_gate - n_dense) / down_tiles_n : is_dense(tile) ? 0 : tile / tiles_n;
