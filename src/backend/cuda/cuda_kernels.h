@@ -247,15 +247,6 @@ TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows
 // head-dim columns x 1 head x box_rows rows, 128-byte swizzle: one box is a 64-column chunk of box_rows rows of one
 // head, laid out as the attention kernels' swizzled tiles.
 TmaMap tma_map_bf16_heads(const bf16* p, int64_t rows, int heads, int D, int box_rows);
-// The padded path's expert GEMMs on TMA + wgmma, for the rows t < rows[e] of each expert's 32-row block (rows =
-// meta + 1 + E of moe_group_padded); other rows of the outputs are not written. Same arithmetic as the cuBLASLt f32
-// GEMMs (+ moe_gelu_mul_padded) up to the order of the f32 sums.
-//   gate_up: act[e 32 + t] = bf16(gelu_tanh(gate) * up), w = tma_map_bf16_rows(Wgu, E 2I, H, 64),
-//            xs = tma_map_bf16_rows(xs, E 32, H, 32)
-//   down:    y[e 32 + t] = act . Wd[e]^T (f32), w = tma_map_bf16_rows(Wd, E H, I, 64), act = tma_map_bf16_rows(act,
-//            E 32, I, 32)
-// How the TMA expert kernels are laid out on the GPU (TmaExpertsPlan{} = the default); the result never depends on
-// it (every output element is summed by one block in a fixed k order).
 // A dense down projection run as extra tiles of the fused expert launch (moe_experts_fused_tma_masked):
 // out[T, H] = bf16(act[T, I] . W[H, I]^T), W packed as pack_expert_down with E = 1. Its tiles (128 rows of H x 32
 // tokens) come after every gate_up tile and before the expert down tiles; their producers first wait until *ready >= 1
@@ -268,6 +259,15 @@ struct FusedDenseDown {
   unsigned* ready = nullptr;
 };
 
+// The padded path's expert GEMMs on TMA + wgmma, for the rows t < rows[e] of each expert's 32-row block (rows =
+// meta + 1 + E of moe_group_padded); other rows of the outputs are not written. Same arithmetic as the cuBLASLt f32
+// GEMMs (+ moe_gelu_mul_padded) up to the order of the f32 sums.
+//   gate_up: act[e 32 + t] = bf16(gelu_tanh(gate) * up), w = tma_map_bf16_rows(Wgu, E 2I, H, 64),
+//            xs = tma_map_bf16_rows(xs, E 32, H, 32)
+//   down:    y[e 32 + t] = act . Wd[e]^T (f32), w = tma_map_bf16_rows(Wd, E H, I, 64), act = tma_map_bf16_rows(act,
+//            E 32, I, 32)
+// How the TMA expert kernels are laid out on the GPU (TmaExpertsPlan{} = the default); the result never depends on
+// it (every output element is summed by one block in a fixed k order).
 struct TmaExpertsPlan {
   // > 0 (below the device's SM count): at most that many blocks, one per SM with an 8-stage ring, leaving the other
   // SMs to a concurrent stream (the dense MLP). 0: two blocks per SM.
