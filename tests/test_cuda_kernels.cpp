@@ -125,6 +125,73 @@ TEST(CudaKernels, CopyWords) {
   }
 }
 
+// memset_nodes_as_kernels against the memset nodes it replaces: 1-, 2- and 4-byte elements, pitched rows and
+// uneven widths, each followed by a copy that must see its stores (the edges moved with it); bytes between the rows
+// keep their old value.
+TEST(CudaKernels, MemsetNodesAsKernels) {
+  REQUIRE_GPU();
+  struct Case {
+    unsigned elem, value;
+    size_t width, height, pitch;
+  };
+  const Case cases[] = {{4, 0x0u, 1, 1, 4},          {4, 0xdeadbeefu, 37, 3, 200}, {2, 0xabcdu, 1001, 1, 2002},
+                        {1, 0x5au, 4099, 2, 4200}, {4, 0x12345678u, 70000, 1, 280000}};
+  for (const Case& c : cases) {
+    const size_t bytes = (c.pitch * c.height + 3) / 4 * 4;  // whole words for the copy after it
+    std::vector<unsigned char> init(bytes);
+    for (size_t i = 0; i < bytes; ++i) init[i] = static_cast<unsigned char>(i * 131 + 7);
+    std::vector<unsigned char> want = init;
+    for (size_t r = 0; r < c.height; ++r)
+      for (size_t x = 0; x < c.width; ++x)
+        for (unsigned b = 0; b < c.elem; ++b) want[r * c.pitch + x * c.elem + b] = (c.value >> (8 * b)) & 0xff;
+    Dev<unsigned char> buf(bytes), copy(bytes);
+    for (const bool rewrite : {false, true}) {
+      buf.put(init);
+      cudaGraph_t g = nullptr;
+      ASSERT_EQ(cudaSuccess, cudaGraphCreate(&g, 0));
+      cudaMemsetParams mp{};
+      mp.dst = buf.p, mp.pitch = c.pitch, mp.value = c.value, mp.elementSize = c.elem, mp.width = c.width;
+      mp.height = c.height;
+      cudaGraphNode_t ms = nullptr;
+      ASSERT_EQ(cudaSuccess, cudaGraphAddMemsetNode(&ms, g, nullptr, 0, &mp));
+      // A copy after it, as a captured kernel would be: a child graph of one copy_words launch.
+      cudaStream_t st = nullptr;
+      ASSERT_EQ(cudaSuccess, cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      cudaGraph_t child = nullptr;
+      ASSERT_EQ(cudaSuccess, cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed));
+      copy_words(buf.p, bytes / 4, copy.p, st);
+      ASSERT_EQ(cudaSuccess, cudaStreamEndCapture(st, &child));
+      cudaGraphNode_t cn = nullptr;
+      ASSERT_EQ(cudaSuccess, cudaGraphAddChildGraphNode(&cn, g, &ms, 1, child));
+      if (rewrite) {
+        EXPECT_EQ(1, memset_nodes_as_kernels(g));
+        size_t n = 0;
+        ASSERT_EQ(cudaSuccess, cudaGraphGetNodes(g, nullptr, &n));
+        std::vector<cudaGraphNode_t> nodes(n);
+        ASSERT_EQ(cudaSuccess, cudaGraphGetNodes(g, nodes.data(), &n));
+        for (cudaGraphNode_t nd : nodes) {
+          cudaGraphNodeType t{};
+          ASSERT_EQ(cudaSuccess, cudaGraphNodeGetType(nd, &t));
+          EXPECT_NE(cudaGraphNodeTypeMemset, t);
+        }
+        size_t deps = 0;
+        ASSERT_EQ(cudaSuccess, cudaGraphNodeGetDependencies(cn, nullptr, nullptr, &deps));
+        EXPECT_EQ(1u, deps);  // the copy still waits for the stores
+      }
+      cudaGraphExec_t ex = nullptr;
+      ASSERT_EQ(cudaSuccess, cudaGraphInstantiate(&ex, g, 0));
+      ASSERT_EQ(cudaSuccess, cudaGraphLaunch(ex, st));
+      ASSERT_EQ(cudaSuccess, cudaStreamSynchronize(st));
+      EXPECT_EQ(want, buf.get()) << "elem " << c.elem << " width " << c.width << " rewrite " << rewrite;
+      EXPECT_EQ(want, copy.get()) << "the copy after it, rewrite " << rewrite;
+      cudaGraphExecDestroy(ex);
+      cudaGraphDestroy(child);
+      cudaGraphDestroy(g);
+      cudaStreamDestroy(st);
+    }
+  }
+}
+
 // n = 203: the scalar kernels; 1000 and 2816 (the model's H): the 16-byte vector paths (NV 1 and 3).
 TEST(CudaKernels, RmsNormVariants) {
   REQUIRE_GPU();

@@ -40,12 +40,14 @@ struct BenchArgs {
   int dense_mlp_sms = -1;  // -1: CudaOptions' default
   bool cublas_experts = false, tma_experts_down = false, no_tma_gather = false, static_expert_tiles = false;
   int attn_splits = 0;
+  int qkv_rope_warps = 0;  // 0: the default (cuda::set_qkv_rope_max_warps)
   bool no_attn_tma = false;  // cuda::set_attention_tma(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
   bool dense_down_in_experts = false;
+  bool graph_memset_nodes = false;  // CudaOptions::graph_memset_kernels off
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1;
   int tma_stages = 3;  // CudaOptions::tma_experts_stages' default
@@ -127,6 +129,7 @@ int run_bench(const BenchArgs& args) {
   apply_gemm_ab_options(args);
   cuda::set_pdl(!args.no_pdl);
   cuda::set_attention_splits(args.attn_splits);
+  cuda::set_qkv_rope_max_warps(args.qkv_rope_warps);
   cuda::set_attention_tma(!args.no_attn_tma);
   cuda::set_router_tensor_cores(args.router_tc);
   cuda::set_route_tokens_per_block(args.route_tokens);
@@ -160,6 +163,7 @@ int run_bench(const BenchArgs& args) {
   opt.pack_expert_down = !args.no_pack_down;
   opt.dense_down_last = !args.dense_down_first;
   opt.dense_down_in_experts = args.dense_down_in_experts;
+  opt.graph_memset_kernels = !args.graph_memset_nodes;
   opt.narrow_assignment = !args.wide_assignment;
   opt.tma_weight_l2_promotion = args.tma_l2_promotion;
   opt.tma_experts_grid = args.tma_grid;
@@ -195,6 +199,7 @@ int run_bench(const BenchArgs& args) {
   out["cuda_graphs"] = !no_graphs;
   out["whole_step_graph"] = !args.layer_graph;
   out["dense_down_in_experts"] = args.dense_down_in_experts;
+  out["graph_memset_kernels"] = !args.graph_memset_nodes;
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = opt.dense_mlp_sms;
   out["pdl"] = !args.no_pdl;
@@ -216,6 +221,7 @@ int run_bench(const BenchArgs& args) {
   out["tma_gather_rows"] = !args.no_tma_gather;
   out["dynamic_expert_tiles"] = opt.dynamic_expert_tiles;
   out["attention_splits"] = args.attn_splits;
+  out["qkv_rope_warps"] = args.qkv_rope_warps;
   out["attention_tma"] = !args.no_attn_tma;
   out["router_tensor_cores"] = args.router_tc;
   out["route_tokens_per_block"] = args.route_tokens;
@@ -415,6 +421,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--dense-down-in-experts", a->dense_down_in_experts,
                                     "A/B: the dense MLP's down projection as tiles of the fused expert launch "
                                     "(CudaOptions::dense_down_in_experts)");
+                       sub.add_flag("--graph-memset-nodes", a->graph_memset_nodes,
+                                    "A/B: keep cuBLASLt's memset nodes in the captured graphs instead of kernel nodes "
+                                    "(CudaOptions::graph_memset_kernels = false)");
                        sub.add_flag("--layer-graph", a->layer_graph,
                                     "A/B: only the layers of a denoise step as one CUDA graph, the rest launched "
                                     "from the host (CudaOptions::whole_step_graph = false)");
@@ -435,6 +444,10 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "A/B: split-KV count of the attention launches that split (0: as many as fill "
                                       "the SMs; cuda::set_attention_splits)")
                            ->check(CLI::Range(0, 16));
+                       sub.add_option("--qkv-rope-warps", a->qkv_rope_warps,
+                                      "A/B: at most this many warps a block of the q/k norm + rope kernel (0: the "
+                                      "default, 32; cuda::set_qkv_rope_max_warps)")
+                           ->check(CLI::Range(0, 32));
                        sub.add_flag("--tma-experts-down", a->tma_experts_down,
                                     "A/B: the down GEMM on the TMA + wgmma kernel too (CudaOptions::tma_experts_down)");
                        sub.add_option("--expert-sms", a->expert_sms,

@@ -581,6 +581,14 @@ class CudaBackend final : public Backend {
       throw;
     }
     CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    if (opt_.graph_memset_kernels) {
+      try {
+        cuda::memset_nodes_as_kernels(graph);
+      } catch (...) {
+        cudaGraphDestroy(graph);
+        throw;
+      }
+    }
     cudaGraphExecUpdateResultInfo info{};
     if (!exec || cudaGraphExecUpdate(exec, graph, &info) != cudaSuccess) {
       (void)cudaGetLastError();  // a failed update is not sticky; instantiate afresh

@@ -58,6 +58,11 @@ struct CudaOptions {
   // layers' graph; on the H200 (docs/BENCHMARKS.md, session 12) 0.00-0.08 ms faster a 4K step in each of four calls
   // (fewer host launches a step). A/B: bench --layer-graph.
   bool whole_step_graph = true;
+  // With cuda_graphs: each memset node of a captured graph (cuBLASLt zeroes a 4-byte workspace word before some of
+  // its GEMMs: the full layers' pointer-array S GEMM, lm_head) becomes a kernel node with the same stores and edges
+  // (cuda::memset_nodes_as_kernels). The session-12 profile showed the step idle ~12-14 us after each such memset
+  // node before its GEMM started, against ~2 us after a kernel. A/B: bench --graph-memset-nodes.
+  bool graph_memset_kernels = true;
   // Canvas-sized passes (denoise, commit) run the experts as two strided-batched cuBLASLt GEMMs over every expert
   // padded to 2 x mean rows (moe_group_padded; rows past that through the grouped kernels), gate/up kept in f32
   // before the activation exactly as the grouped kernels do. On the H200 (docs/BENCHMARKS.md 2026-11-30) it cuts the

@@ -23,6 +23,9 @@ void set_flag_after(unsigned* flag, cudaStream_t s);
 // dst[i] = src[i] for `words` 32-bit words, as a kernel (dst may be mapped pinned host memory: a CUDA graph then needs
 // no memcpy node for it). Both 4-byte aligned.
 void copy_words(const void* src, size_t words, void* dst, cudaStream_t s);
+// Replaces each memset node of `graph` (cuBLASLt zeroes a few workspace bytes before some of its GEMMs) by a kernel
+// node doing the same stores, with the same edges; returns how many. CudaOptions::graph_memset_kernels says why.
+int memset_nodes_as_kernels(cudaGraph_t graph);
 // y = x * (mean(x^2) + eps)^-1/2 * w  (w == nullptr: no scale); one row of n per block. Any in/out types.
 void rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* w, float eps, bf16* y, cudaStream_t s);
 void rms_norm_f32_to_f32(const float* x, int rows, int n, const float* w, float eps, float* y, cudaStream_t s);
@@ -50,6 +53,10 @@ void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s);
 // inv_freq: [D/2] f32, zeros for pass-through slots.
 void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k, const float* qw, const float* kw,
                    const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k, bf16* v, cudaStream_t s);
+
+// A/B (bench --qkv-rope-warps): at most this many warps a block of qkv_norm_rope's vector kernel (one warp a row of
+// q / k / v heads; default 32: a token's 32 sliding or 20 full-layer rows in one pass; before session 13: 16).
+void set_qkv_rope_max_warps(int n);
 
 // Copies the new K/V rows of positions [pos0, pos0 + T) into a cache region of `cap` slots (slot = pos % cap);
 // only the last min(T, cap) rows are written (earlier ones would be overwritten anyway).

@@ -4,6 +4,7 @@
 #include <cfloat>
 #include <cstdint>
 #include <cstdio>
+#include <vector>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
@@ -28,6 +29,21 @@ __global__ void copy_words_k(const uint32_t* src, size_t n, uint32_t* dst) {
   pdl_trigger();
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     dst[i] = src[i];
+}
+
+// A graph memset node's work as a kernel (memset_nodes_as_kernels): height rows of width elements of elem bytes.
+__global__ void fill_pattern_k(unsigned char* dst, size_t pitch, unsigned value, unsigned elem, size_t width,
+                               size_t height) {
+  const size_t n = width * height;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    unsigned char* p = dst + (i / width) * pitch + (i % width) * elem;
+    if (elem == 4)
+      *reinterpret_cast<uint32_t*>(p) = value;
+    else if (elem == 2)
+      *reinterpret_cast<uint16_t*>(p) = uint16_t(value);
+    else
+      *p = uint8_t(value);
+  }
 }
 
 __global__ void set_flag_k(unsigned* flag) {
@@ -779,6 +795,46 @@ void embed_scale(const int32_t* ids, int T, const bf16* E, int H, float scale, f
 void set_flag_after(unsigned* flag, cudaStream_t s) {
   launch_pdl(set_flag_k, dim3(1), dim3(1), 0, s, flag);
 }
+int memset_nodes_as_kernels(cudaGraph_t graph) {
+  size_t n = 0;
+  CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &n));
+  std::vector<cudaGraphNode_t> nodes(n);
+  CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &n));
+  int replaced = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type{};
+    CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+    if (type != cudaGraphNodeTypeMemset) continue;
+    cudaMemsetParams mp{};
+    CUDA_CHECK(cudaGraphMemsetNodeGetParams(node, &mp));
+    size_t nd = 0, nu = 0;
+    CUDA_CHECK(cudaGraphNodeGetDependencies(node, nullptr, nullptr, &nd));
+    CUDA_CHECK(cudaGraphNodeGetDependentNodes(node, nullptr, nullptr, &nu));
+    std::vector<cudaGraphNode_t> deps(nd), users(nu);
+    std::vector<cudaGraphEdgeData> dep_edges(nd), user_edges(nu);
+    CUDA_CHECK(cudaGraphNodeGetDependencies(node, deps.data(), dep_edges.data(), &nd));
+    CUDA_CHECK(cudaGraphNodeGetDependentNodes(node, users.data(), user_edges.data(), &nu));
+    const size_t height = mp.height ? mp.height : 1, count = mp.width * height;
+    const size_t pitch = height > 1 ? mp.pitch : mp.width * mp.elementSize;
+    unsigned char* dst = static_cast<unsigned char*>(mp.dst);
+    unsigned value = mp.value, elem = mp.elementSize;
+    size_t width = mp.width;
+    void* args[] = {&dst, const_cast<size_t*>(&pitch), &value, &elem, &width, const_cast<size_t*>(&height)};
+    cudaKernelNodeParams kp{};
+    kp.func = reinterpret_cast<void*>(fill_pattern_k);
+    kp.gridDim = dim3(unsigned(std::clamp<size_t>((count + kRowThreads - 1) / kRowThreads, 1, 1024)));
+    kp.blockDim = dim3(kRowThreads);
+    kp.kernelParams = args;
+    cudaGraphNode_t k = nullptr;
+    CUDA_CHECK(cudaGraphAddKernelNode(&k, graph, nullptr, 0, &kp));
+    // The memset's edges move to the kernel unchanged (a memset node has no ports: every edge is a full dependency).
+    for (size_t i = 0; i < nd; ++i) CUDA_CHECK(cudaGraphAddDependencies(graph, &deps[i], &k, &dep_edges[i], 1));
+    for (size_t i = 0; i < nu; ++i) CUDA_CHECK(cudaGraphAddDependencies(graph, &k, &users[i], &user_edges[i], 1));
+    CUDA_CHECK(cudaGraphDestroyNode(node));
+    ++replaced;
+  }
+  return replaced;
+}
 void copy_words(const void* src, size_t words, void* dst, cudaStream_t s) {
   if (words == 0) return;
   launch_pdl(copy_words_k, dim3(unsigned(std::min<size_t>((words + kRowThreads - 1) / kRowThreads, 1024))),
@@ -863,12 +919,17 @@ void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s) {
   add_bf16_to_f32_k<<<grid_for(n), 256, 0, s>>>(h, a, n);
   CUDA_CHECK_LAUNCH();
 }
+namespace {
+int g_qkv_rope_max_warps = 32;  // set_qkv_rope_max_warps
+}  // namespace
+void set_qkv_rope_max_warps(int n) { g_qkv_rope_max_warps = std::clamp(n > 0 ? n : 32, 1, 32); }
 void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k, const float* qw, const float* kw,
                    const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k, bf16* v, cudaStream_t s) {
   if (T == 0) return;
   const int rows = nh + 2 * nkv;
   if (D == 256 || D == 512) {
-    const int vwarps = rows < 16 ? rows : 16;
+    // One warp a row, so a block's rows take one pass (each row is processed the same way at any warp count).
+    const int vwarps = std::min(rows, g_qkv_rope_max_warps);
     auto* kern = D == 256 ? qkv_norm_rope_vec_k<8> : qkv_norm_rope_vec_k<16>;
     launch_pdl(kern, dim3(T), dim3(32 * vwarps), 0, s, qkv, nh, nkv, v_from_k, qw, kw, inv_freq, pos0, eps, q, k, v);
     return;
