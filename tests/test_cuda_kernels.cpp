@@ -903,6 +903,44 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
                                  {.grid = 7, .stages = 5, .tile_counters = fused_ctr.p});
     moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_f3.p, y_f3.p, nullptr,
                                  {.grid = 1000, .stages = 3, .tile_counters = fused_ctr.p});
+    // The same launch with the tile timeline on (its own kernel instantiation): the same outputs bit for bit, one
+    // entry record per block and one record per tile, every tile of an expert with rows among them exactly once.
+    Dev<bf16> act_ftl(rows * I);
+    Dev<float> y_ftl(rows * H);
+    experts_timeline_begin(size_t(1) << 16);
+    moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_ftl.p, y_ftl.p, nullptr,
+                                 {.tile_counters = fused_ctr.p});
+    const auto timeline = experts_timeline_end();
+    {
+      const int n_gate = E * (I / 64), n_tiles = n_gate + E * (H / 128);
+      std::vector<int> seen(size_t(n_tiles), 0);
+      int entries = 0;
+      for (const auto& r : timeline) {
+        if (r.tile == -1) {
+          ++entries;
+          EXPECT_LE(r.t0, r.t1);
+          continue;
+        }
+        ASSERT_TRUE(r.tile >= 0 && r.tile < n_tiles) << r.tile;
+        ++seen[size_t(r.tile)];
+        EXPECT_TRUE(r.t_req <= r.t0 && r.t0 <= r.t1) << "tile " << r.tile;
+      }
+      int sms = 0;
+      CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+      EXPECT_EQ(entries, std::min(n_gate, 3 * sms)) << "one entry record per block (the default grid)";
+      for (int e = 0; e < E; ++e) {
+        int cnt = 0;
+        for (int w = 0; w < (T + 31) / 32; ++w) cnt += __builtin_popcount(host_masks[size_t(e) * ((T + 31) / 32) + w]);
+        for (int nt = 0; nt < I / 64; ++nt)
+          EXPECT_EQ(cnt > 0 ? 1 : seen[size_t(e * (I / 64) + nt)], seen[size_t(e * (I / 64) + nt)]) << e << " " << nt;
+        for (int nt = 0; nt < H / 128; ++nt)
+          if (cnt > 0) EXPECT_EQ(1, seen[size_t(n_gate + e * (H / 128) + nt)]) << "down tile of expert " << e;
+      }
+      const auto af1_bits = act_f1.get(), atl_bits = act_ftl.get();  // bitwise: the unwritten padding holds NaNs
+      EXPECT_EQ(0, std::memcmp(af1_bits.data(), atl_bits.data(), af1_bits.size() * sizeof(bf16)));
+      const auto yf1_bits = y_f1.get(), ytl_bits = y_ftl.get();
+      EXPECT_EQ(0, std::memcmp(yf1_bits.data(), ytl_bits.data(), yf1_bits.size() * 4));
+    }
     // The fused launch with a dense down projection (FusedDenseDown, Id = 2 I) as extra tiles: the expert outputs
     // must not move, the dense out must match a double reference, and the launch must leave its flag zeroed.
     const int Id = 2 * I;

@@ -41,6 +41,7 @@ struct BenchArgs {
   bool cublas_experts = false, tma_experts_down = false, no_tma_gather = false, static_expert_tiles = false;
   int attn_splits = 0;
   int qkv_rope_warps = 0;  // 0: the default (cuda::set_qkv_rope_max_warps)
+  std::string experts_timeline;  // CSV path: the fused expert kernel's tiles in one extra step (diagnostics)
   bool no_attn_tma = false;  // cuda::set_attention_tma(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   bool router_tc = false;
@@ -113,6 +114,15 @@ void apply_gemm_ab_options(const BenchArgs& args) {
     configs.emplace_back(mnk, config);
   }
   cuda::set_gemm_config_override(std::move(configs));
+}
+
+void write_experts_timeline(const std::string& path, const std::vector<cuda::ExpertsTimelineRecord>& recs) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) fail("--experts-timeline: cannot write '{}'", path);
+  std::fprintf(f, "block,sm,tile,t_req,t0,t1\n");
+  for (const auto& r : recs)
+    std::fprintf(f, "%d,%d,%d,%llu,%llu,%llu\n", r.block, r.sm, r.tile, r.t_req, r.t0, r.t1);
+  if (std::fclose(f) != 0) fail("--experts-timeline: error writing '{}'", path);
 }
 
 double median(std::vector<double> v) {
@@ -258,6 +268,17 @@ int run_bench(const BenchArgs& args) {
     std::vector<double> t;
     for (int r = 0; r < args.reps; ++r) t.push_back(timer.ms([&] { be->denoise(req, res); }));
     const double step = median(t);
+    if (!args.experts_timeline.empty() && ctx == contexts.front()) {
+      // One more step with the fused expert kernel's tile timeline on. The temperature differs from the timed steps'
+      // (exactly representable), so the step's graph is captured afresh with the timeline's kernel instantiation.
+      cuda::experts_timeline_begin(size_t(1) << 20);
+      DenoiseRequest tl_req = req;
+      tl_req.temperature = 0.8125f;
+      be->denoise(tl_req, res);
+      const auto recs = cuda::experts_timeline_end();
+      write_experts_timeline(args.experts_timeline, recs);
+      std::fprintf(stderr, "experts timeline: %zu records -> %s\n", recs.size(), args.experts_timeline.c_str());
+    }
     if (args.breakdown) {  // extra steps with a CUDA event after every stage; the step time above is without them
       stages.reset();
       stages.enabled = true;
@@ -421,6 +442,10 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--dense-down-in-experts", a->dense_down_in_experts,
                                     "A/B: the dense MLP's down projection as tiles of the fused expert launch "
                                     "(CudaOptions::dense_down_in_experts)");
+                       sub.add_option("--experts-timeline", a->experts_timeline,
+                                      "diagnostics: after the first context's timed steps, one more step with the "
+                                      "fused expert kernel's per-tile %globaltimer records, written to this CSV "
+                                      "(block, sm, tile, t_req, t0, t1 in ns; tile -1: block entry and PDL wait)");
                        sub.add_flag("--graph-memset-nodes", a->graph_memset_nodes,
                                     "A/B: keep cuBLASLt's memset nodes in the captured graphs instead of kernel nodes "
                                     "(CudaOptions::graph_memset_kernels = false)");

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace dg::cuda {
 
@@ -275,6 +276,18 @@ struct FusedDenseDown {
 //            E 32, I, 32)
 // How the TMA expert kernels are laid out on the GPU (TmaExpertsPlan{} = the default); the result never depends on
 // it (every output element is summed by one block in a fixed k order).
+// One tile of a TMA expert kernel as its block's consumer saw it (experts_timeline_begin): %globaltimer ns when the
+// consumer asked for the tile (t_req), had its first stage (t0) and had stored it (t1). tile -1: the block's entry
+// (t_req = t0) and the return of its griddepcontrol.wait (t1).
+struct ExpertsTimelineRecord {
+  int block, sm, tile, pad;
+  unsigned long long t_req, t0, t1;
+};
+// Diagnostics (bench --experts-timeline): from begin on, every TMA expert launch appends its tiles' records (up to
+// `capacity` in all); end synchronizes the device, returns them and stops recording.
+void experts_timeline_begin(size_t capacity);
+std::vector<ExpertsTimelineRecord> experts_timeline_end();
+
 struct TmaExpertsPlan {
   // > 0 (below the device's SM count): at most that many blocks, one per SM with an 8-stage ring, leaving the other
   // SMs to a concurrent stream (the dense MLP). 0: two blocks per SM.

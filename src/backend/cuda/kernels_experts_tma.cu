@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
@@ -46,6 +47,25 @@
 namespace dg::cuda {
 
 namespace {
+
+// The tile timeline (experts_timeline_begin / _end): null unless a caller asked for one. Consumer thread 0 of each
+// block appends one record per tile (and one per block: tile -1, its entry and its griddepcontrol.wait's return).
+__device__ ExpertsTimelineRecord* g_etl = nullptr;
+__device__ unsigned g_etl_n = 0, g_etl_cap = 0;
+bool g_etl_on = false;  // host: launch the TL instantiation
+__device__ __forceinline__ unsigned long long etl_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void etl_put(ExpertsTimelineRecord* buf, int tile, unsigned long long t_req,
+                                        unsigned long long t0, unsigned long long t1) {
+  const unsigned i = atomicAdd(&g_etl_n, 1u);
+  if (i >= g_etl_cap) return;
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  buf[i] = ExpertsTimelineRecord{int(blockIdx.x), int(sm), tile, 0, t_req, t0, t1};
+}
 
 constexpr int kTok = 32;                          // padded token rows per expert (M of moe_group_padded)
 constexpr int kBK = 64;                           // k per stage: 64 bf16 = 128 B, one 128B-swizzle row
@@ -104,7 +124,8 @@ __device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
 // DENSE (FUSED only): the launch also runs FusedDenseDown's tiles; a separate instantiation, so that the plain fused
 // kernel keeps its registers (88 against 110 with the dense tiles compiled in: the narrow assignment beside it needs
 // the ones it leaves).
-template <bool GATED, int kStages, bool GATHER = false, bool FUSED = false, bool DENSE = false>
+// TL: also the tile timeline (g_etl; its own instantiation, so the others keep their registers).
+template <bool GATED, int kStages, bool GATHER = false, bool FUSED = false, bool DENSE = false, bool TL = false>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
@@ -471,13 +492,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Consumers read the row counts and write act / y: both only after the predecessor has completed. (The row counts
   // are loaded with ld.global.cg, not the read-only path __restrict__ const would allow: this grid may have started
   // while its predecessor was still writing them.)
+  ExpertsTimelineRecord* const etl = TL && threadIdx.x == 0 ? g_etl : nullptr;
+  const unsigned long long etl_entry = etl ? etl_now() : 0;
   pdl_wait();
+  if (etl) etl_put(etl, -1, etl_entry, etl_entry, etl_now());
   uint32_t it = 0;
   // GATHER: every tile, and its row count, is named by the producer in the slot of its first stage (the first one is
   // blockIdx.x when there is one); -1 ends. Else the fixed stride, skipping experts without rows after the first tile.
   int tile = first < n_tiles ? first : n_tiles;
   for (;;) {
     int cnt;
+    const unsigned long long etl_req = etl ? etl_now() : 0;
     if constexpr (GATHER) {
       const int s = int(it % kStages);
       mbar_wait(full0 + 8 * s, (it / kStages) & 1u);
@@ -500,6 +525,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     float d0[16], d1[16];  // tile rows 0-63 (gate / first half) and 64-127 (up / second half)
 #pragma unroll
     for (int i = 0; i < 16; ++i) d0[i] = 0.f, d1[i] = 0.f;
+    const unsigned long long etl_t0 = etl ? etl_now() : 0;
     const int tile_nk = slices_of(tile);
     for (int kt = 0; kt < tile_nk; ++kt, ++it) {
       const int s = int(it % kStages);
@@ -552,6 +578,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         atomicAdd(expert_done + e, 1u);
       }
     }
+    if (etl) etl_put(etl, tile, etl_req, etl_t0, etl_now());
     if constexpr (!GATHER) tile += int(gridDim.x);
   }
 #endif
@@ -582,7 +609,8 @@ bool experts_tma_supported(int M, int H, int I) {
                              std::pair{experts_tma_k<true, kStagesShared, true, true, true>, kStagesShared},
                              std::pair{experts_tma_k<true, kStagesShared3, true, true, true>, kStagesShared3},
                              std::pair{experts_tma_k<true, kStagesShared5, true, true, true>, kStagesShared5},
-                             std::pair{experts_tma_k<true, kStagesOwn, true, true, true>, kStagesOwn}})
+                             std::pair{experts_tma_k<true, kStagesOwn, true, true, true>, kStagesOwn},
+                             std::pair{experts_tma_k<true, kStagesShared3, true, true, false, true>, kStagesShared3}})
       CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(stages)));
     return true;
   }();
@@ -655,6 +683,12 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int grid = shared_sm_grid(plan, tiles);
+    if constexpr (FUSED && !DENSE) {
+      if (g_etl_on && plan.stages == kStagesShared3) {  // experts_timeline_begin
+        go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED, DENSE, true>, kStagesShared3, grid);
+        return;
+      }
+    }
     if (plan.stages == kStagesShared3)
       go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED, DENSE>, kStagesShared3, grid);
     else if (plan.stages == kStagesShared5)
@@ -763,6 +797,34 @@ void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const vo
              static_cast<unsigned char*>(dst0), bytes0, static_cast<const unsigned char*>(src1),
              static_cast<unsigned char*>(dst1), bytes1,
              static_cast<unsigned long long>(std::max(0, delay_us)) * 1000ull);
+}
+
+void experts_timeline_begin(size_t capacity) {
+  experts_timeline_end();  // drop any earlier buffer
+  ExpertsTimelineRecord* buf = nullptr;
+  CUDA_CHECK(cudaMalloc(&buf, std::max<size_t>(capacity, 1) * sizeof(ExpertsTimelineRecord)));
+  const unsigned zero = 0, cap = unsigned(capacity);
+  CUDA_CHECK(cudaMemcpyToSymbol(g_etl_n, &zero, sizeof zero));
+  CUDA_CHECK(cudaMemcpyToSymbol(g_etl_cap, &cap, sizeof cap));
+  CUDA_CHECK(cudaMemcpyToSymbol(g_etl, &buf, sizeof buf));
+  g_etl_on = true;
+}
+std::vector<ExpertsTimelineRecord> experts_timeline_end() {
+  ExpertsTimelineRecord* buf = nullptr;
+  g_etl_on = false;
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaMemcpyFromSymbol(&buf, g_etl, sizeof buf));
+  if (!buf) return {};
+  unsigned n = 0, cap = 0;
+  CUDA_CHECK(cudaMemcpyFromSymbol(&n, g_etl_n, sizeof n));
+  CUDA_CHECK(cudaMemcpyFromSymbol(&cap, g_etl_cap, sizeof cap));
+  std::vector<ExpertsTimelineRecord> out(std::min(n, cap));
+  if (!out.empty())
+    CUDA_CHECK(cudaMemcpy(out.data(), buf, out.size() * sizeof(ExpertsTimelineRecord), cudaMemcpyDeviceToHost));
+  ExpertsTimelineRecord* none = nullptr;
+  CUDA_CHECK(cudaMemcpyToSymbol(g_etl, &none, sizeof none));
+  CUDA_CHECK(cudaFree(buf));
+  return out;
 }
 
 }  // namespace dg::cuda
