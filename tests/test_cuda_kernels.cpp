@@ -940,6 +940,19 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
       EXPECT_EQ(0, std::memcmp(af1_bits.data(), atl_bits.data(), af1_bits.size() * sizeof(bf16)));
       const auto yf1_bits = y_f1.get(), ytl_bits = y_ftl.get();
       EXPECT_EQ(0, std::memcmp(yf1_bits.data(), ytl_bits.data(), yf1_bits.size() * 4));
+      // Next tiles claimed at a tile's last stage, at its first (claim_ahead past every tile's length), and 2 before
+      // on 7 blocks: the same outputs.
+      for (const auto [ahead, grid] : {std::pair{1, 0}, std::pair{64, 0}, std::pair{2, 7}}) {
+        Dev<bf16> act_c(rows * I);
+        Dev<float> y_c(rows * H);
+        moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_c.p, y_c.p, nullptr,
+                                     {.grid = grid, .stages = grid ? 5 : 4, .tile_counters = fused_ctr.p,
+                                      .claim_ahead = ahead});
+        const auto ac = act_c.get();
+        const auto yc_bits = y_c.get();
+        EXPECT_EQ(0, std::memcmp(af1_bits.data(), ac.data(), ac.size() * sizeof(bf16))) << "claim_ahead " << ahead;
+        EXPECT_EQ(0, std::memcmp(yf1_bits.data(), yc_bits.data(), yc_bits.size() * 4)) << "claim_ahead " << ahead;
+      }
     }
     // The fused launch with a dense down projection (FusedDenseDown, Id = 2 I) as extra tiles: the expert outputs
     // must not move, the dense out must match a double reference, and the launch must leave its flag zeroed.

@@ -309,6 +309,11 @@ struct TmaExpertsPlan {
   // tiles handed out by an atomic counter after each block's first, instead of the fixed stride, so that blocks
   // that start late (their SMs busy with another stream's kernels) take fewer tiles. Null: the fixed stride.
   unsigned* tile_counters = nullptr;
+  // With tile_counters, the gathered producer: a block claims (and reads the expert masks / counts of) its next tile
+  // when it issues the stage this many before its current tile's last one (1: right after the last one, as before
+  // session 13; 0 is taken as 1). Earlier claims hide those dependent L2 round trips from the consumers; later ones
+  // leave the last tiles to whichever block frees up first.
+  int claim_ahead = 3;
   // Non-null: the experts' gate_up / down weights in the packed layouts (expert_layout.h, pack_expert_gate_up /
   // pack_expert_down), each ring stage of those tiles one 1D bulk copy from here; the matching tensor map is then not
   // read. Bitwise the same results (the stages land in shared memory byte for byte as the 2D boxes do).

@@ -132,7 +132,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                   int l2_prefetch_slices, int prewait_stages, const bf16* __restrict__ xg,
                   const int32_t* __restrict__ slot_token,
                   unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
-                  const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed, FusedDenseDown dense) {
+                  const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed, FusedDenseDown dense,
+                  int claim_ahead) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
   static_assert(!FUSED || (GATED && GATHER), "the fused kernel is the gathered gate_up followed by down");
 #if defined(DG_EXPERTS_TMA)
@@ -300,24 +301,55 @@ __global__ void __launch_bounds__(kThreads, 1)
       return __shfl_sync(0xffffffffu, t, 0);
     };
     bool dense_ready = false;
-    for (int tile = first < n_tiles ? first : next_tile(first); tile < n_tiles; tile = next_tile(tile)) {
-      const int e = expert_of(tile);
-      const bool down = is_down(tile), dense_tile = is_dense(tile);
-      int cnt = 0, tok = -1, src_row = -1;
-      const bf16* src = nullptr;
-      if (dense_tile) {  // token group g: rows 32 g + slot of the dense activation
+    // What the producer needs of a tile before its first stage: its expert, its rows and this lane's source row,
+    // and (down tiles) whether this lane has already seen the expert's gate_up complete (an acquire load: the lane's
+    // cp.async reads of the activation rows come after it in program order).
+    struct TileInfo {
+      int tile, e, cnt, src_row;
+      const bf16* src;
+      bool down, dense_tile, done;
+    };
+    auto prepare = [&](int tile) {
+      TileInfo t{tile, 0, 0, -1, nullptr, false, false, true};
+      if (tile >= n_tiles) return t;
+      t.e = expert_of(tile);
+      t.down = is_down(tile), t.dense_tile = is_dense(tile);
+      if (t.dense_tile) {  // token group g: rows 32 g + slot of the dense activation
         const int g0 = ((tile - n_gate) % dense_groups) * kTok;
-        cnt = min(kTok, dense.T - g0);
-        src_row = ln < cnt ? g0 + ln : -1;
-        src = dense.act + size_t(src_row >= 0 ? src_row : 0) * size_t(dense.I);
+        t.cnt = min(kTok, dense.T - g0);
+        t.src_row = ln < t.cnt ? g0 + ln : -1;
+        t.src = dense.act + size_t(t.src_row >= 0 ? t.src_row : 0) * size_t(dense.I);
       } else {
         // A down tile's rows are the expert's own act rows, slot ln in row ln: only the count is wanted.
-        tok = slot_token_of(e, cnt, !down);
-        src_row = down ? (ln < cnt ? ln : -1) : tok;  // -1: a padding slot, zero-filled
-        src = down ? act + (size_t(e) * kTok + size_t(src_row >= 0 ? src_row : 0)) * size_t(I)
-                   : xg + (tok >= 0 ? size_t(tok) * size_t(H) : 0);
+        const int tok = slot_token_of(t.e, t.cnt, !t.down);
+        t.src_row = t.down ? (ln < t.cnt ? ln : -1) : tok;  // -1: a padding slot, zero-filled
+        t.src = t.down ? act + (size_t(t.e) * kTok + size_t(t.src_row >= 0 ? t.src_row : 0)) * size_t(I)
+                       : xg + (tok >= 0 ? size_t(tok) * size_t(H) : 0);
       }
-      if (cnt <= 0 && tile != first) continue;  // an expert without rows: no reads (its first tile is run regardless)
+      if (t.down && t.cnt > 0) {
+        unsigned v;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(expert_done + t.e) : "memory");
+        t.done = v >= gate_done;
+      }
+      return t;
+    };
+    // The next tile with rows (an expert without rows is skipped: no reads), claimed and prepared.
+    auto claim_after = [&](int tile) {
+      TileInfo t = prepare(next_tile(tile));
+      while (t.tile < n_tiles && t.cnt <= 0) t = prepare(next_tile(t.tile));
+      return t;
+    };
+    // The next tile is claimed and prepared claim_ahead stages before this tile's last stage is issued (its atomic,
+    // mask and count loads overlap the ring's waits; TmaExpertsPlan::claim_ahead), not only at the boundary: there,
+    // those ~3 dependent L2 round trips kept consumers waiting for a tile's first stage, most in the down tiles' phase
+    // (11 stages a tile; the tile timeline of session 13: ~16 us a block a layer).
+    const int ahead = claim_ahead > 1 ? claim_ahead : 1;
+    // The block's first tile runs even without rows (its first stages' weights were requested before the wait).
+    TileInfo cur = first < n_tiles ? prepare(first) : claim_after(first);
+    while (cur.tile < n_tiles) {
+      const int tile = cur.tile, e = cur.e, cnt = cur.cnt, src_row = cur.src_row;
+      const bool down = cur.down, dense_tile = cur.dense_tile;
+      const bf16* const src = cur.src;
       int row_a, row_b;
       weight_rows(tile, row_a, row_b);
       if (dense_tile && !dense_ready) {
@@ -332,7 +364,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         wait_count(dense.ready, 1u);
         dense_ready = true;
       }
-      if (down && cnt > 0) {
+      if (down && cnt > 0 && !__all_sync(0xffffffffu, cur.done)) {
         // The expert's activation rows, once every gate_up tile of the expert is stored (the consumer warps count
         // them in expert_done with release semantics; this acquire pairs with them). Each lane waits for itself:
         // its own cp.async reads below are then ordered after the acquire. The stage still pending its arrival goes
@@ -346,6 +378,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         wait_count(expert_done + e, gate_done);
       }
       const int tile_nk = slices_of(tile);
+      const int claim_at = tile_nk > ahead ? tile_nk - ahead : 0;
+      TileInfo nxt{n_tiles, 0, 0, -1, nullptr, false, false, true};  // set at kt == claim_at
       for (int kt = 0; kt < tile_nk; ++kt, ++it) {
         const int s = int(it % kStages);
         const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
@@ -374,7 +408,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_arrive(pend);
         }
         pend = full, have_pend = true;
+        if (kt == claim_at) nxt = claim_after(tile);
       }
+      cur = nxt;
     }
     if (have_pend) {
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -679,7 +715,7 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
                act, y, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks,
                mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr,
-               DENSE ? plan.dense : FusedDenseDown{});
+               DENSE ? plan.dense : FusedDenseDown{}, plan.claim_ahead);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int grid = shared_sm_grid(plan, tiles);
