@@ -50,7 +50,7 @@ struct BenchArgs {
   bool dense_down_in_experts = false;
   bool graph_memset_nodes = false;  // CudaOptions::graph_memset_kernels off
   bool dense_mlp_priority = false;
-  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1, claim_ahead = 3, l2_ahead = 0;
+  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1, claim_ahead = 3;
   int tma_stages = 3;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
   bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false;
@@ -169,7 +169,6 @@ int run_bench(const BenchArgs& args) {
   opt.tma_experts_l2_prefetch = args.tma_l2_prefetch;
   opt.tma_experts_prewait_stages = args.tma_prewait;
   opt.tma_experts_claim_ahead = args.claim_ahead;
-  opt.tma_experts_l2_ahead = args.l2_ahead;
   opt.fused_experts = !args.no_fused_experts;
   opt.pack_expert_gate_up = !args.no_pack_gate_up;
   opt.pack_expert_down = !args.no_pack_down;
@@ -225,7 +224,6 @@ int run_bench(const BenchArgs& args) {
   out["tma_l2_prefetch"] = args.tma_l2_prefetch;
   out["tma_prewait_stages"] = args.tma_prewait;
   out["expert_claim_ahead"] = args.claim_ahead;
-  out["expert_l2_ahead"] = args.l2_ahead;
   out["fused_experts"] = !args.no_fused_experts;
   out["pack_expert_gate_up"] = !args.no_pack_gate_up;
   out["pack_expert_down"] = !args.no_pack_down;
@@ -517,10 +515,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "its next tile (1: at the end, as before session 13; "
                                       "CudaOptions::tma_experts_claim_ahead)")
                            ->check(CLI::Range(1, 64));
-                       sub.add_option("--expert-l2-ahead", a->l2_ahead,
-                                      "the fused expert producers also prefetch into L2 the stage this many ahead of "
-                                      "each they issue (0: none; CudaOptions::tma_experts_l2_ahead)")
-                           ->check(CLI::Range(0, 64));
                        sub.add_option("--tma-grid", a->tma_grid,
                                       "blocks of the TMA expert kernels (0: as many as fit on every SM; CudaOptions::tma_experts_grid)")
                            ->check(CLI::NonNegativeNumber);

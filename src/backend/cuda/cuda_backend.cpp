@@ -930,7 +930,6 @@ class CudaBackend final : public Backend {
         .prewait_stages = opt_.tma_experts_prewait_stages,
         .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr,
         .claim_ahead = opt_.tma_experts_claim_ahead,
-        .l2_ahead = opt_.tma_experts_l2_ahead,
         .gate_up_packed = L.gu_packed ? L.exp_gu : nullptr,
         .down_packed = L.dn_packed ? L.exp_down : nullptr,
         .dense = dense_tiles ? cuda::FusedDenseDown{s_.actd, L.dense_down_packed, s_.m1, T, cfg_.intermediate_size,

@@ -314,10 +314,6 @@ struct TmaExpertsPlan {
   // session 13; 0 is taken as 1). Earlier claims hide those dependent L2 round trips from the consumers; later ones
   // leave the last tiles to whichever block frees up first.
   int claim_ahead = 3;
-  // With packed weights, the gathered producer: > 0 also prefetches into L2 the stage this many ahead of each one it
-  // issues (and the next tile's first ones when it claims it), so more of the weight stream is in flight than the
-  // ring's shared memory holds. 0: none.
-  int l2_ahead = 0;
   // Non-null: the experts' gate_up / down weights in the packed layouts (expert_layout.h, pack_expert_gate_up /
   // pack_expert_down), each ring stage of those tiles one 1D bulk copy from here; the matching tensor map is then not
   // read. Bitwise the same results (the stages land in shared memory byte for byte as the 2D boxes do).

@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const int32_t* __restrict__ slot_token,
                   unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
                   const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed, FusedDenseDown dense,
-                  int claim_ahead, int l2_ahead) {
+                  int claim_ahead) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
   static_assert(!FUSED || (GATED && GATHER), "the fused kernel is the gathered gate_up followed by down");
 #if defined(DG_EXPERTS_TMA)
@@ -388,12 +388,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (leader)
             issue_weights(st, full, tile, kt, row_a, row_b, kWBytes, dense_tile ? evict_normal : evict_first, down);
         }
-        // TmaExpertsPlan::l2_ahead: stage kt + l2_ahead of this tile into L2 now, so that more of the stream is in
-        // flight than the ring's shared memory holds (packed weights only).
-        if (leader && l2_ahead > 0 && kt + l2_ahead < tile_nk) {
-          if (const bf16* p = packed_stage(tile, kt + l2_ahead))
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(kWBytes) : "memory");
-        }
         if (leader && kt == 0) {  // before the leader's lane arrival, which every phase of the stage waits for
           st_shared_s32(slot0 + 8 * s, tile);
           st_shared_s32(slot0 + 8 * s + 4, cnt);
@@ -414,15 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_arrive(pend);
         }
         pend = full, have_pend = true;
-        if (kt == claim_at) {
-          nxt = claim_after(tile);
-          if (leader && l2_ahead > 0 && nxt.tile < n_tiles) {  // the next tile's first stages, as above
-            const int n = min(l2_ahead, slices_of(nxt.tile));
-            for (int k = 0; k < n; ++k)
-              if (const bf16* p = packed_stage(nxt.tile, k))
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(kWBytes) : "memory");
-          }
-        }
+        if (kt == claim_at) nxt = claim_after(tile);
       }
       cur = nxt;
     }
@@ -729,7 +715,7 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
                act, y, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks,
                mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr,
-               DENSE ? plan.dense : FusedDenseDown{}, plan.claim_ahead, plan.l2_ahead);
+               DENSE ? plan.dense : FusedDenseDown{}, plan.claim_ahead);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int grid = shared_sm_grid(plan, tiles);
