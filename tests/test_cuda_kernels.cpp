@@ -909,7 +909,7 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     Dev<float> y_ftl(rows * H);
     experts_timeline_begin(size_t(1) << 16);
     moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_ftl.p, y_ftl.p, nullptr,
-                                 {.tile_counters = fused_ctr.p});
+                                 {.stages = 3, .tile_counters = fused_ctr.p});  // the instantiation the engine runs
     const auto timeline = experts_timeline_end();
     {
       const int n_gate = E * (I / 64), n_tiles = n_gate + E * (H / 128);
