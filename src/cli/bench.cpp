@@ -47,7 +47,6 @@ struct BenchArgs {
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
-  bool dense_down_in_experts = false;
   bool graph_memset_nodes = false;  // CudaOptions::graph_memset_kernels off
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1, claim_ahead = 3;
@@ -173,7 +172,6 @@ int run_bench(const BenchArgs& args) {
   opt.pack_expert_gate_up = !args.no_pack_gate_up;
   opt.pack_expert_down = !args.no_pack_down;
   opt.dense_down_last = !args.dense_down_first;
-  opt.dense_down_in_experts = args.dense_down_in_experts;
   opt.graph_memset_kernels = !args.graph_memset_nodes;
   opt.narrow_assignment = !args.wide_assignment;
   opt.tma_weight_l2_promotion = args.tma_l2_promotion;
@@ -209,7 +207,6 @@ int run_bench(const BenchArgs& args) {
   out["reps"] = args.reps;
   out["cuda_graphs"] = !no_graphs;
   out["whole_step_graph"] = !args.layer_graph;
-  out["dense_down_in_experts"] = args.dense_down_in_experts;
   out["graph_memset_kernels"] = !args.graph_memset_nodes;
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = opt.dense_mlp_sms;
@@ -441,9 +438,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--dense-mlp-priority", a->dense_mlp_priority,
                                     "A/B: the dense MLP's stream at the highest priority "
                                     "(CudaOptions::dense_mlp_priority)");
-                       sub.add_flag("--dense-down-in-experts", a->dense_down_in_experts,
-                                    "A/B: the dense MLP's down projection as tiles of the fused expert launch "
-                                    "(CudaOptions::dense_down_in_experts)");
                        sub.add_option("--experts-timeline", a->experts_timeline,
                                       "diagnostics: after the first context's timed steps, one more step with the "
                                       "fused expert kernel's per-tile %globaltimer records, written to this CSV "

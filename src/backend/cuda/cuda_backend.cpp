@@ -47,7 +47,6 @@ struct DevLayer {
   cuda::TmaMap exp_gu_map{}, exp_down_map{};  // over exp_gu / exp_down for the TMA expert kernels (use_tma_experts_)
   bool gu_packed = false;  // exp_gu in the packed layout (CudaOptions::pack_expert_gate_up, cuda/expert_layout.h)
   bool dn_packed = false;  // exp_down likewise (CudaOptions::pack_expert_down)
-  bf16* dense_down_packed = nullptr;  // dense_down packed as one expert's down weights (FusedDenseDown), or null
 };
 
 struct Scratch {
@@ -58,7 +57,6 @@ struct Scratch {
   int32_t* slot_token;  // [E M]: the token in each padded expert slot (moe_assign_padded), for the gathered gate_up
   float* router_partial;      // router_top_k's split partials (canvas-sized passes)
   unsigned* expert_masks;      // router_top_k's token bit masks of each expert
-  unsigned* dense_ready;  // FusedDenseDown::ready (CudaOptions::dense_down_in_experts): zeroed once, left zeroed
   unsigned* expert_tile_counters;  // gate_up's tile counters (CudaOptions::dynamic_expert_tiles): zeroed once, left
                                    // zeroed by every launch
   cuda::DeviceRowStats* stats;
@@ -87,7 +85,6 @@ class CudaWeights {
         cuda::moe_padded_rows_per_expert(cfg_.canvas_length, cfg_.top_k_experts, E), H, Ie);
     pack_gate_up_ = opt.pack_expert_gate_up && tma_ok && cuda::expert_gate_up_packable(H, Ie);
     pack_down_ = opt.pack_expert_down && tma_ok && cuda::expert_down_packable(H, Ie);
-    pack_dense_down_ = opt.dense_down_in_experts && pack_down_ && cuda::expert_down_packable(H, cfg_.intermediate_size);
     // Packing goes through one layer's gate_up worth of scratch (down is half of it), freed after the upload.
     const size_t pack_scratch =
         pack_gate_up_ || pack_down_ ? size_t(E) * 2 * size_t(Ie) * size_t(H) * sizeof(bf16) : 0;
@@ -141,8 +138,6 @@ class CudaWeights {
       L.wo = ar.take<bf16>(H * nh * D);
       L.dense_gu = ar.take<bf16>(2 * Id * H);
       L.dense_down = ar.take<bf16>(H * Id);
-      // A packed copy for the fused expert launch's dense tiles (CudaOptions::dense_down_in_experts).
-      L.dense_down_packed = pack_dense_down_ ? ar.take<bf16>(H * Id) : nullptr;
       L.exp_gu = ar.take<bf16>(E * 2 * Ie * H);
       L.exp_down = ar.take<bf16>(E * H * Ie);
       L.q_norm = ar.take<float>(D);
@@ -176,8 +171,6 @@ class CudaWeights {
         cuda::pack_expert_down(tmp, L.exp_down, E, H, Ie, stream_);
         L.dn_packed = true;
       }
-      if (L.dense_down_packed)
-        cuda::pack_expert_down(L.dense_down, L.dense_down_packed, 1, H, cfg_.intermediate_size, stream_);
     }
     CUDA_CHECK(cudaStreamSynchronize(stream_));  // before the scratch is freed
   }
@@ -324,7 +317,6 @@ class CudaWeights {
   float *final_norm_ = nullptr, *sc_pre_norm_ = nullptr;
   bool pack_gate_up_ = false;     // CudaOptions::pack_expert_gate_up where the shapes and the GPU allow it
   bool pack_down_ = false;        // CudaOptions::pack_expert_down likewise
-  bool pack_dense_down_ = false;  // a packed copy of each dense down projection (CudaOptions::dense_down_in_experts)
   std::vector<DevLayer> layers_;  // weight pointers only (no KV)
 };
 
@@ -390,7 +382,6 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
     layout(arena_);
     CUDA_CHECK(cudaMemset(s_.expert_tile_counters, 0, (2 + size_t(cfg_.num_experts)) * sizeof(unsigned)));
-    CUDA_CHECK(cudaMemset(s_.dense_ready, 0, sizeof(unsigned)));
     for (DevLayer& L : layers_) {
       if (!L.attn_ptrs) continue;
       const size_t bytes = kv_rows(L) * size_t(L.shape.n_kv_heads) * size_t(L.shape.head_dim) * sizeof(bf16);
@@ -919,9 +910,6 @@ class CudaBackend final : public Backend {
     // Packed down weights leave the TMA kernel (or the fused launch) as down's only padded path.
     const bool down_tma = tma && !fused_experts && (opt_.tma_experts_down || L.dn_packed);
     const bool down_cublas = !down_tma && !fused_experts;
-    // CudaOptions::dense_down_in_experts: the dense MLP's down projection as tiles of the fused expert launch, which
-    // waits for the side stream's GELU through s_.dense_ready.
-    const bool dense_tiles = fused_experts && overlap && opt_.dense_down_in_experts && L.dense_down_packed;
     const cuda::TmaExpertsPlan plan{
         .sms = overlap ? opt_.expert_sms : 0,
         .grid = opt_.tma_experts_grid,
@@ -931,10 +919,7 @@ class CudaBackend final : public Backend {
         .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr,
         .claim_ahead = opt_.tma_experts_claim_ahead,
         .gate_up_packed = L.gu_packed ? L.exp_gu : nullptr,
-        .down_packed = L.dn_packed ? L.exp_down : nullptr,
-        .dense = dense_tiles ? cuda::FusedDenseDown{s_.actd, L.dense_down_packed, s_.m1, T, cfg_.intermediate_size,
-                                                    s_.dense_ready}
-                             : cuda::FusedDenseDown{}};
+        .down_packed = L.dn_packed ? L.exp_down : nullptr};
     if (overlap) {
       // CudaOptions::dense_down_last: the dense MLP's down GEMM goes on the side stream after the assignment and the
       // overflow rows (below). Its blocks need more shared memory than the expert kernel leaves an SM, so it cannot
@@ -942,9 +927,7 @@ class CudaBackend final : public Backend {
       CUDA_CHECK(cudaEventRecord(fork_, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
       gated_mlp_up_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, cfg_.intermediate_size);
-      if (dense_tiles) {
-        cuda::set_flag_after(s_.dense_ready, side_);
-      } else if (!opt_.dense_down_last)
+      if (!opt_.dense_down_last)
         gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
     } else {
       gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
@@ -1042,8 +1025,7 @@ class CudaBackend final : public Backend {
       mark(kStDown);
     }
     if (overlap) {
-      if (opt_.dense_down_last && !dense_tiles)
-        gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
+      if (opt_.dense_down_last) gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
       CUDA_CHECK(cudaEventRecord(join_, side_));
       CUDA_CHECK(cudaStreamWaitEvent(stream_, join_));
     }
@@ -1082,7 +1064,6 @@ class CudaBackend final : public Backend {
     s_.router_partial = ar.take<float>(cuda::router_partial_floats(int(Lc), int(H)));
     s_.expert_masks = ar.take<unsigned>(cuda::expert_mask_words(int(Lc), int(E)));
     s_.expert_tile_counters = ar.take<unsigned>(2 + E);  // + the fused experts' per-expert counts
-    s_.dense_ready = ar.take<unsigned>(1);
     s_.wk = ar.take<float>(Tm * K);
     // expert rows: T k grouped, or E M padded + Lc k overflow for canvas-sized passes (moe_group_padded)
     const size_t pad_rows = E * size_t(cuda::moe_padded_rows_per_expert(int(Lc), int(K), int(E))) + Lc * K;

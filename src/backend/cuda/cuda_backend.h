@@ -81,11 +81,6 @@ struct CudaOptions {
   // With overlap_dense_mlp: the dense MLP's down GEMM queued on the side stream after the assignment and the overflow
   // rows instead of before them (see CudaBackend::layer). A/B: bench --dense-down-first.
   bool dense_down_last = true;
-  // With overlap_dense_mlp and the fused expert launch: the dense MLP's down projection as tiles of that launch
-  // (cuda::FusedDenseDown, after the gate_up tiles, before the expert down tiles), so no GEMM waits for the expert
-  // blocks to leave their SMs (the ~10 us tail a layer, docs/PERFORMANCE.md). Written at the end of session 12, not
-  // yet run on a GPU: off. A/B: bench --dense-down-in-experts.
-  bool dense_down_in_experts = false;
   // With overlap_dense_mlp and the masked gate_up: the side stream's assignment (moe_assign_padded) as one block of
   // 256 threads instead of 1024, so that it fits beside the expert kernel's blocks (their registers leave ~23K an SM)
   // and runs while the experts stream instead of after them. Same results. H200, 4K step (docs/BENCHMARKS.md,

@@ -18,9 +18,6 @@ class Gemm;  // gemm.h
 // ---- elementwise / row kernels (kernels_rows.cu) ----
 // out[t, :] = E[ids[t], :] * scale (f32 out; the residual stream is f32).
 void embed_scale(const int32_t* ids, int T, const bf16* E, int H, float scale, float* out, cudaStream_t s);
-// *flag = 1 once every kernel before it on s has completed (a PDL-launched single thread): releases a buffer to a
-// kernel on another stream that waits for the flag (FusedDenseDown::ready).
-void set_flag_after(unsigned* flag, cudaStream_t s);
 // dst[i] = src[i] for `words` 32-bit words, as a kernel (dst may be mapped pinned host memory: a CUDA graph then needs
 // no memcpy node for it). Both 4-byte aligned.
 void copy_words(const void* src, size_t words, void* dst, cudaStream_t s);
@@ -255,18 +252,6 @@ TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows
 // head-dim columns x 1 head x box_rows rows, 128-byte swizzle: one box is a 64-column chunk of box_rows rows of one
 // head, laid out as the attention kernels' swizzled tiles.
 TmaMap tma_map_bf16_heads(const bf16* p, int64_t rows, int heads, int D, int box_rows);
-// A dense down projection run as extra tiles of the fused expert launch (moe_experts_fused_tma_masked):
-// out[T, H] = bf16(act[T, I] . W[H, I]^T), W packed as pack_expert_down with E = 1. Its tiles (128 rows of H x 32
-// tokens) come after every gate_up tile and before the expert down tiles; their producers first wait until *ready >= 1
-// (set after act is complete, e.g. by set_flag_after on act's stream), and the launch's last block zeroes *ready.
-struct FusedDenseDown {
-  const bf16* act = nullptr;
-  const bf16* w_packed = nullptr;  // null: no dense tiles
-  bf16* out = nullptr;
-  int T = 0, I = 0;
-  unsigned* ready = nullptr;
-};
-
 // The padded path's expert GEMMs on TMA + wgmma, for the rows t < rows[e] of each expert's 32-row block (rows =
 // meta + 1 + E of moe_group_padded); other rows of the outputs are not written. Same arithmetic as the cuBLASLt f32
 // GEMMs (+ moe_gelu_mul_padded) up to the order of the f32 sums.
@@ -319,8 +304,6 @@ struct TmaExpertsPlan {
   // read. Bitwise the same results (the stages land in shared memory byte for byte as the 2D boxes do).
   const bf16* gate_up_packed = nullptr;
   const bf16* down_packed = nullptr;
-  // The fused launch only: a dense down projection as extra tiles (see FusedDenseDown).
-  FusedDenseDown dense{};
 };
 // Whether expert weights of these shapes have a packed layout (expert_layout.h): gate_up needs H and I multiples of
 // 64, down H a multiple of 128 and I of 64.

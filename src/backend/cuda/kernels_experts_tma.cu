@@ -121,30 +121,21 @@ __device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
 // count their number capped at 32; rows and slot_token are not read. The producer lanes hold one mask word each and
 // find their slot's token with a prefix count, so no assignment kernel stands between the router and gate_up.
 
-// DENSE (FUSED only): the launch also runs FusedDenseDown's tiles; a separate instantiation, so that the plain fused
-// kernel keeps its registers (88 against 110 with the dense tiles compiled in: the narrow assignment beside it needs
-// the ones it leaves).
 // TL: also the tile timeline (g_etl; its own instantiation, so the others keep their registers).
-template <bool GATED, int kStages, bool GATHER = false, bool FUSED = false, bool DENSE = false, bool TL = false>
+template <bool GATED, int kStages, bool GATHER = false, bool FUSED = false, bool TL = false>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
                   int l2_prefetch_slices, int prewait_stages, const bf16* __restrict__ xg,
                   const int32_t* __restrict__ slot_token,
                   unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
-                  const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed, FusedDenseDown dense,
-                  int claim_ahead) {
+                  const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed, int claim_ahead) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
   static_assert(!FUSED || (GATED && GATHER), "the fused kernel is the gathered gate_up followed by down");
 #if defined(DG_EXPERTS_TMA)
   const int rows_per_expert = GATED ? 2 * I : H, tiles_n = GATED ? I / 64 : H / 128, K = GATED ? H : I;
-  // FUSED: tiles [0, n_gate) are gate_up's (tmW), then n_dense tiles of the dense down projection (FusedDenseDown:
-  // row tile major, dense_groups token groups of 32 a row tile), then E * H / 128 down tiles (tmX holds the down
-  // weights).
-  const int dense_groups = (dense.T + kTok - 1) / kTok;
-  static_assert(!DENSE || FUSED, "dense tiles ride the fused launch");
-  const int n_dense = DENSE ? (H / 128) * dense_groups : 0, dense_nk = dense.I / kBK;
-  const int n_gate = E * tiles_n, n_tiles = FUSED ? n_gate + n_dense + E * (H / 128) : n_gate, nk = K / kBK;
+  // FUSED: tiles [0, n_gate) are gate_up's (tmW), then E * H / 128 down tiles (tmX holds the down weights).
+  const int n_gate = E * tiles_n, n_tiles = FUSED ? n_gate + E * (H / 128) : n_gate, nk = K / kBK;
   const int down_tiles_n = H / 128, down_nk = I / kBK;
   unsigned* const expert_done = FUSED ? tile_ctr + 2 : nullptr;  // per expert: consumer warps done with its gate_up
   const unsigned gate_done = 4u * unsigned(tiles_n);             // ... when all its gate_up tiles are stored
@@ -152,14 +143,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t full0 = base + kStages * kStageBytes, empty0 = full0 + 8 * kStages, slot0 = empty0 + 8 * kStages;
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
-  auto is_dense = [&](int tile) { return DENSE && tile >= n_gate && tile < n_gate + n_dense; };
   auto weight_rows = [&](int tile, int& row_a, int& row_b) {
-    if (is_dense(tile)) {  // packed only: no tensor-map rows
-      row_a = row_b = 0;
-      return;
-    }
     if (FUSED && tile >= n_gate) {
-      const int d = tile - n_gate - n_dense, e = d / down_tiles_n, nt = d % down_tiles_n;
+      const int d = tile - n_gate, e = d / down_tiles_n, nt = d % down_tiles_n;
       row_a = e * H + nt * 128;
       row_b = row_a + 64;
       return;
@@ -169,11 +155,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     row_b = row_a + (GATED ? I : 64);
   };
   // FUSED: the expert of a tile, whether it is a down tile, and its k slices.
-  auto is_down = [&](int tile) { return FUSED && tile >= n_gate + n_dense; };
-  auto expert_of = [&](int tile) {
-    return is_down(tile) ? (tile - n_gate - n_dense) / down_tiles_n : is_dense(tile) ? 0 : tile / tiles_n;
-  };
-  auto slices_of = [&](int tile) { return is_down(tile) ? down_nk : is_dense(tile) ? dense_nk : nk; };
+  auto is_down = [&](int tile) { return FUSED && tile >= n_gate; };
+  auto expert_of = [&](int tile) { return is_down(tile) ? (tile - n_gate) / down_tiles_n : tile / tiles_n; };
+  auto slices_of = [&](int tile) { return is_down(tile) ? down_nk : nk; };
   // Without GATHER: expert e's valid rows, rows[e] or (masks) its tokens capped at 32. warp: the calling warp's 32
   // lanes all call (one mask word a lane), else one thread alone. After griddepcontrol.wait only.
   auto rows_of = [&](int e, bool warp_wide) {
@@ -202,12 +186,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Packed stages are in tile order: gate_up tiles (and a down kernel's) by their own index, the fused kernel's down
   // tiles by their index among the down tiles.
   auto packed_stage = [&](int tile, int kt) -> const bf16* {
-    if (is_dense(tile)) return dense.w_packed + expert_packed_stage(size_t((tile - n_gate) / dense_groups), dense_nk, kt);
     const bool gate_tile = GATED && !(FUSED && tile >= n_gate);
     const bf16* w = gate_tile ? gu_packed : dn_packed;
     if (!w) return nullptr;
     const bool fused_down = FUSED && !gate_tile;
-    return w + expert_packed_stage(size_t(fused_down ? tile - n_gate - n_dense : tile), fused_down ? down_nk : nk, kt);
+    return w + expert_packed_stage(size_t(fused_down ? tile - n_gate : tile), fused_down ? down_nk : nk, kt);
   };
   // One stage's weights (k slice kt of tile `tile`, rows row_a / row_b), after one arrive.expect_tx of `expect` bytes
   // on its full barrier: two 2D boxes through the tensor map, or (packed weights) the stage's 16 KB image as one 1D
@@ -244,12 +227,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The GATHER producer (all 32 lanes of warp 4; see above the kernel). Lane 0 also issues the weight boxes.
   auto produce_gathered = [&](int ln) {
     const bool leader = ln == 0;
-    uint64_t evict_first = 0, evict_normal = 0;  // the dense tiles' weights: read by dense_groups tiles, keep them
+    uint64_t evict_first = 0;
     if (leader) {
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmW)) : "memory");
       if (FUSED) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmX)) : "memory");
       asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
-      if (DENSE) asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(evict_normal));
     }
     constexpr uint32_t kWBytes = 2 * kWBoxBytes;
     // Before griddepcontrol.wait: the first stages' weight boxes only (constants), as the TMA producer does.
@@ -300,32 +282,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (leader) t = int(atomicAdd(tile_ctr, 1u)) + int(gridDim.x);
       return __shfl_sync(0xffffffffu, t, 0);
     };
-    bool dense_ready = false;
     // What the producer needs of a tile before its first stage: its expert, its rows and this lane's source row,
     // and (down tiles) whether this lane has already seen the expert's gate_up complete (an acquire load: the lane's
     // cp.async reads of the activation rows come after it in program order).
     struct TileInfo {
       int tile, e, cnt, src_row;
       const bf16* src;
-      bool down, dense_tile, done;
+      bool down, done;
     };
     auto prepare = [&](int tile) {
-      TileInfo t{tile, 0, 0, -1, nullptr, false, false, true};
+      TileInfo t{tile, 0, 0, -1, nullptr, false, true};
       if (tile >= n_tiles) return t;
       t.e = expert_of(tile);
-      t.down = is_down(tile), t.dense_tile = is_dense(tile);
-      if (t.dense_tile) {  // token group g: rows 32 g + slot of the dense activation
-        const int g0 = ((tile - n_gate) % dense_groups) * kTok;
-        t.cnt = min(kTok, dense.T - g0);
-        t.src_row = ln < t.cnt ? g0 + ln : -1;
-        t.src = dense.act + size_t(t.src_row >= 0 ? t.src_row : 0) * size_t(dense.I);
-      } else {
-        // A down tile's rows are the expert's own act rows, slot ln in row ln: only the count is wanted.
-        const int tok = slot_token_of(t.e, t.cnt, !t.down);
-        t.src_row = t.down ? (ln < t.cnt ? ln : -1) : tok;  // -1: a padding slot, zero-filled
-        t.src = t.down ? act + (size_t(t.e) * kTok + size_t(t.src_row >= 0 ? t.src_row : 0)) * size_t(I)
-                       : xg + (tok >= 0 ? size_t(tok) * size_t(H) : 0);
-      }
+      t.down = is_down(tile);
+      // A down tile's rows are the expert's own act rows, slot ln in row ln: only the count is wanted.
+      const int tok = slot_token_of(t.e, t.cnt, !t.down);
+      t.src_row = t.down ? (ln < t.cnt ? ln : -1) : tok;  // -1: a padding slot, zero-filled
+      t.src = t.down ? act + (size_t(t.e) * kTok + size_t(t.src_row >= 0 ? t.src_row : 0)) * size_t(I)
+                     : xg + (tok >= 0 ? size_t(tok) * size_t(H) : 0);
       if (t.down && t.cnt > 0) {
         unsigned v;
         asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(expert_done + t.e) : "memory");
@@ -348,22 +322,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     TileInfo cur = first < n_tiles ? prepare(first) : claim_after(first);
     while (cur.tile < n_tiles) {
       const int tile = cur.tile, e = cur.e, cnt = cur.cnt, src_row = cur.src_row;
-      const bool down = cur.down, dense_tile = cur.dense_tile;
+      const bool down = cur.down;
       const bf16* const src = cur.src;
       int row_a, row_b;
       weight_rows(tile, row_a, row_b);
-      if (dense_tile && !dense_ready) {
-        // The dense activation, once its stream has released it (FusedDenseDown::ready; acquire, as below). The stage
-        // still pending its arrival goes first, as for the down tiles.
-        if (have_pend) {
-          asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-          mbar_arrive(pend);
-          have_pend = false;
-        }
-        wait_count(dense.ready, 1u);
-        dense_ready = true;
-      }
       if (down && cnt > 0 && !__all_sync(0xffffffffu, cur.done)) {
         // The expert's activation rows, once every gate_up tile of the expert is stored (the consumer warps count
         // them in expert_done with release semantics; this acquire pairs with them). Each lane waits for itself:
@@ -379,14 +341,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       const int tile_nk = slices_of(tile);
       const int claim_at = tile_nk > ahead ? tile_nk - ahead : 0;
-      TileInfo nxt{n_tiles, 0, 0, -1, nullptr, false, false, true};  // set at kt == claim_at
+      TileInfo nxt{n_tiles, 0, 0, -1, nullptr, false, true};  // set at kt == claim_at
       for (int kt = 0; kt < tile_nk; ++kt, ++it) {
         const int s = int(it % kStages);
         const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
         if (!(tile == first && kt < npre)) {  // else: stage kt of the fresh ring, its weights already requested
           mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
-          if (leader)
-            issue_weights(st, full, tile, kt, row_a, row_b, kWBytes, dense_tile ? evict_normal : evict_first, down);
+          if (leader) issue_weights(st, full, tile, kt, row_a, row_b, kWBytes, evict_first, down);
         }
         if (leader && kt == 0) {  // before the leader's lane arrival, which every phase of the stage waits for
           st_shared_s32(slot0 + 8 * s, tile);
@@ -439,10 +400,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // The last block also zeroes expert_done. Every count has its final value by now: each expert with rows has
       // down tiles, whose producers (all finished before this block's count above) waited for all its gate_up
       // tiles; experts without rows are never counted.
-      if (__shfl_sync(0xffffffffu, last, 0)) {
+      if (__shfl_sync(0xffffffffu, last, 0))
         for (int e = ln; e < E; e += 32) atomicExch(expert_done + e, 0u);
-        if (DENSE && ln == 0) atomicExch(dense.ready, 0u);  // every dense producer has passed its wait
-      }
     }
   };
 
@@ -553,11 +512,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         continue;
       }
     }
-    const bool down = is_down(tile), dense_tile = is_dense(tile);
-    const int e = expert_of(tile);
-    const int nt = down ? (tile - n_gate - n_dense) % down_tiles_n
-                        : dense_tile ? (tile - n_gate) / dense_groups : tile % tiles_n;
-    const int dense_g0 = dense_tile ? ((tile - n_gate) % dense_groups) * kTok : 0;
+    const bool down = is_down(tile);
+    const int e = expert_of(tile), nt = down ? (tile - n_gate) % down_tiles_n : tile % tiles_n;
     float d0[16], d1[16];  // tile rows 0-63 (gate / first half) and 64-127 (up / second half)
 #pragma unroll
     for (int i = 0; i < 16; ++i) d0[i] = 0.f, d1[i] = 0.f;
@@ -593,12 +549,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < 2; ++c) {
           const int tok = 8 * j + t0 + c, idx = 4 * j + 2 * i + c, r = r0 + 8 * i;
           if (tok >= cnt) continue;
-          if (dense_tile) {  // bf16 out, as the cuBLASLt GEMM it replaces writes it
-            const size_t orow = size_t(dense_g0 + tok) * H + size_t(nt) * 128;
-            dense.out[orow + r] = __float2bfloat16(d0[idx]);
-            dense.out[orow + 64 + r] = __float2bfloat16(d1[idx]);
-            continue;
-          }
           const size_t row = size_t(e) * kTok + tok;
           if (GATED && !down) {
             act[row * I + nt * 64 + r] = __float2bfloat16(gelu_tanh(d0[idx]) * d1[idx]);
@@ -607,7 +557,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             y[row * H + nt * 128 + 64 + r] = d1[idx];
           }
         }
-    if (FUSED && !down && !dense_tile && cnt > 0) {  // release this warp's act stores to the down tiles' producers
+    if (FUSED && !down && cnt > 0) {  // release this warp's act stores to the down tiles' producers
       __syncwarp();
       if (lane == 0) {
         __threadfence();
@@ -642,11 +592,7 @@ bool experts_tma_supported(int M, int H, int I) {
                              std::pair{experts_tma_k<true, kStagesShared3, true, true>, kStagesShared3},
                              std::pair{experts_tma_k<true, kStagesShared5, true, true>, kStagesShared5},
                              std::pair{experts_tma_k<true, kStagesOwn, true, true>, kStagesOwn},
-                             std::pair{experts_tma_k<true, kStagesShared, true, true, true>, kStagesShared},
-                             std::pair{experts_tma_k<true, kStagesShared3, true, true, true>, kStagesShared3},
-                             std::pair{experts_tma_k<true, kStagesShared5, true, true, true>, kStagesShared5},
-                             std::pair{experts_tma_k<true, kStagesOwn, true, true, true>, kStagesOwn},
-                             std::pair{experts_tma_k<true, kStagesShared3, true, true, false, true>, kStagesShared3}})
+                             std::pair{experts_tma_k<true, kStagesShared3, true, true, true>, kStagesShared3}})
       CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(stages)));
     return true;
   }();
@@ -697,7 +643,7 @@ int shared_sm_grid(const TmaExpertsPlan& plan, int tiles) {
   return std::min(tiles, plan.grid > 0 ? std::min(plan.grid, per_sm * sm_count()) : per_sm * sm_count());
 }
 
-template <bool GATED, bool GATHER, bool FUSED = false, bool DENSE = false>
+template <bool GATED, bool GATHER, bool FUSED = false>
 void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, int E, int H, int I, bf16* act,
                         float* y, const TmaExpertsPlan& plan, cudaStream_t s, const bf16* xg = nullptr,
                         const int32_t* slot_token = nullptr, const unsigned* masks = nullptr, int mask_words = 0) {
@@ -715,24 +661,24 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
                act, y, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks,
                mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr,
-               DENSE ? plan.dense : FusedDenseDown{}, plan.claim_ahead);
+               plan.claim_ahead);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int grid = shared_sm_grid(plan, tiles);
-    if constexpr (FUSED && !DENSE) {
+    if constexpr (FUSED) {
       if (g_etl_on && plan.stages == kStagesShared3) {  // experts_timeline_begin
-        go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED, DENSE, true>, kStagesShared3, grid);
+        go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED, true>, kStagesShared3, grid);
         return;
       }
     }
     if (plan.stages == kStagesShared3)
-      go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED, DENSE>, kStagesShared3, grid);
+      go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED>, kStagesShared3, grid);
     else if (plan.stages == kStagesShared5)
-      go(experts_tma_k<GATED, kStagesShared5, GATHER, FUSED, DENSE>, kStagesShared5, grid);
+      go(experts_tma_k<GATED, kStagesShared5, GATHER, FUSED>, kStagesShared5, grid);
     else
-      go(experts_tma_k<GATED, kStagesShared, GATHER, FUSED, DENSE>, kStagesShared, grid);
+      go(experts_tma_k<GATED, kStagesShared, GATHER, FUSED>, kStagesShared, grid);
   } else {
-    go(experts_tma_k<GATED, kStagesOwn, GATHER, FUSED, DENSE>, kStagesOwn, std::min(tiles, plan.sms));
+    go(experts_tma_k<GATED, kStagesOwn, GATHER, FUSED>, kStagesOwn, std::min(tiles, plan.sms));
   }
 }
 
@@ -810,21 +756,10 @@ void moe_experts_fused_tma_masked(const TmaMap& w_gate_up, const TmaMap& w_down,
   if (!plan.tile_counters)
     throw_cuda_error("moe_experts_fused_tma_masked", "needs plan.tile_counters (2 + E zeroed unsigneds)", 0,
                      __FILE__, __LINE__);
-  const FusedDenseDown& d = plan.dense;
-  if (d.w_packed && (!d.act || !d.out || !d.ready || d.T < 1 || d.T > 32 * 32 || !expert_down_packable(H, d.I) ||
-                     ((reinterpret_cast<uintptr_t>(d.act) | reinterpret_cast<uintptr_t>(d.w_packed)) & 15) != 0))
-    throw_cuda_error("moe_experts_fused_tma_masked",
-                     "plan.dense needs act, out and ready, 1 <= T <= 1024, H % 128 == 0, I % 64 == 0 and 16-byte "
-                     "aligned act and weights",
-                     0, __FILE__, __LINE__);
   // The grid is capped at the gate_up tile count (launch_experts_tma), so every block's first tile is a gate_up
   // tile and all gate_up tiles are handed out before any down tile.
-  if (d.w_packed)
-    launch_experts_tma<true, true, true, true>(w_gate_up, w_down, nullptr, E, H, I, act, y, plan, s, x, nullptr,
-                                               expert_masks, (T + 31) / 32);
-  else
-    launch_experts_tma<true, true, true>(w_gate_up, w_down, nullptr, E, H, I, act, y, plan, s, x, nullptr,
-                                         expert_masks, (T + 31) / 32);
+  launch_experts_tma<true, true, true>(w_gate_up, w_down, nullptr, E, H, I, act, y, plan, s, x, nullptr,
+                                       expert_masks, (T + 31) / 32);
 }
 
 void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const void* src1, void* dst1, size_t bytes1,

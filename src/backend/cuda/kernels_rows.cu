@@ -46,13 +46,6 @@ __global__ void fill_pattern_k(unsigned char* dst, size_t pitch, unsigned value,
   }
 }
 
-__global__ void set_flag_k(unsigned* flag) {
-  pdl_wait();  // launch.cuh: the predecessor has completed and its writes are visible
-  pdl_trigger();
-  __threadfence();
-  atomicExch(flag, 1u);
-}
-
 template <class Out>
 __global__ void rms_norm_k(const float* x, int n, const float* w, float eps, Out* y) {
   const float* xr = x + size_t(blockIdx.x) * n;
@@ -791,9 +784,6 @@ void embed_scale(const int32_t* ids, int T, const bf16* E, int H, float scale, f
   if (T == 0) return;
   embed_scale_k<<<T, kRowThreads, 0, s>>>(ids, E, H, scale, out);
   CUDA_CHECK_LAUNCH();
-}
-void set_flag_after(unsigned* flag, cudaStream_t s) {
-  launch_pdl(set_flag_k, dim3(1), dim3(1), 0, s, flag);
 }
 int memset_nodes_as_kernels(cudaGraph_t graph) {
   size_t n = 0;
