@@ -875,7 +875,8 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
     ASSERT_TRUE(pdl_enabled());
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act2.p, nullptr, {.sms = 5});
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act.p, nullptr);
-    moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act3.p, nullptr);                       // repeat
+    // repeat, the first round's tiles permuted (the fixed stride after it)
+    moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act3.p, nullptr, {.first_tile_stride = 5});
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act5.p, nullptr, {.l2_prefetch_slices = 6});
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act6.p, nullptr, {.grid = 7, .stages = 5});
     moe_down_padded_tma(wdn, am, valid, E, H, I, y2.p, nullptr, {.sms = 5});
@@ -942,12 +943,14 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
       EXPECT_EQ(0, std::memcmp(yf1_bits.data(), ytl_bits.data(), yf1_bits.size() * 4));
       // Next tiles claimed at a tile's last stage, at its first (claim_ahead past every tile's length), and 2 before
       // on 7 blocks: the same outputs.
-      for (const auto [ahead, grid] : {std::pair{1, 0}, std::pair{64, 0}, std::pair{2, 7}}) {
+      // With them, the first round's tiles permuted (first_tile_stride; 97 and 5 coprime to the default grids, 7
+      // on 7 blocks falls back to tile b).
+      for (const auto [ahead, grid, stride] : {std::tuple{1, 0, 97}, std::tuple{64, 0, 5}, std::tuple{2, 7, 7}}) {
         Dev<bf16> act_c(rows * I);
         Dev<float> y_c(rows * H);
         moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_c.p, y_c.p, nullptr,
                                      {.grid = grid, .stages = grid ? 5 : 4, .tile_counters = fused_ctr.p,
-                                      .claim_ahead = ahead});
+                                      .claim_ahead = ahead, .first_tile_stride = stride});
         const auto ac = act_c.get();
         const auto yc_bits = y_c.get();
         EXPECT_EQ(0, std::memcmp(af1_bits.data(), ac.data(), ac.size() * sizeof(bf16))) << "claim_ahead " << ahead;

@@ -299,6 +299,9 @@ struct TmaExpertsPlan {
   // session 13; 0 is taken as 1). Earlier claims hide those dependent L2 round trips from the consumers; later ones
   // leave the last tiles to whichever block frees up first.
   int claim_ahead = 3;
+  // > 1 and coprime to the grid: block b's first tile is (b * first_tile_stride) mod grid instead of b, so that the
+  // first round's tiles, which all start together, are not in the blocks' (SMs') order. Same results.
+  int first_tile_stride = 1;
   // Non-null: the experts' gate_up / down weights in the packed layouts (expert_layout.h, pack_expert_gate_up /
   // pack_expert_down), each ring stage of those tiles one 1D bulk copy from here; the matching tensor map is then not
   // read. Bitwise the same results (the stages land in shared memory byte for byte as the 2D boxes do).

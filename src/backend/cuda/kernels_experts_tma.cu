@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -129,7 +130,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                   int l2_prefetch_slices, int prewait_stages, const bf16* __restrict__ xg,
                   const int32_t* __restrict__ slot_token,
                   unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
-                  const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed, int claim_ahead) {
+                  const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed, int claim_ahead,
+                  int first_stride) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
   static_assert(!FUSED || (GATED && GATHER), "the fused kernel is the gathered gate_up followed by down");
 #if defined(DG_EXPERTS_TMA)
@@ -176,7 +178,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the row counts may be read (below), so both roles must consume them. An empty expert's first tile then costs one
   // tile of wasted reads and math and stores nothing (cnt <= 0 in the epilogue). Later tiles of empty experts are
   // skipped, as before.
-  const int first = int(blockIdx.x);
+  // TmaExpertsPlan::first_tile_stride (coprime to the grid: a permutation of the first round's tiles).
+  const int first = int((long long)blockIdx.x * first_stride % gridDim.x);
   // Ring uses 0 .. npre-1 (stage s = use) are the first tile's first stages, whose weights are requested before
   // griddepcontrol.wait.
   // prewait_stages >= 0 caps them (TmaExpertsPlan::prewait_stages).
@@ -661,7 +664,7 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
                act, y, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks,
                mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr,
-               plan.claim_ahead);
+               plan.claim_ahead, std::gcd(std::max(plan.first_tile_stride, 1), grid) == 1 ? std::max(plan.first_tile_stride, 1) : 1);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int grid = shared_sm_grid(plan, tiles);
