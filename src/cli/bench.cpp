@@ -48,7 +48,6 @@ struct BenchArgs {
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
   bool graph_memset_nodes = false;  // CudaOptions::graph_memset_kernels off
-  bool dense_down_beside = false;
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1, claim_ahead = 3, first_stride = 1;
   int tma_stages = 3;  // CudaOptions::tma_experts_stages' default
@@ -175,7 +174,6 @@ int run_bench(const BenchArgs& args) {
   opt.pack_expert_down = !args.no_pack_down;
   opt.dense_down_last = !args.dense_down_first;
   opt.graph_memset_kernels = !args.graph_memset_nodes;
-  opt.dense_down_beside = args.dense_down_beside;
   opt.narrow_assignment = !args.wide_assignment;
   opt.tma_weight_l2_promotion = args.tma_l2_promotion;
   opt.tma_experts_grid = args.tma_grid;
@@ -211,7 +209,6 @@ int run_bench(const BenchArgs& args) {
   out["cuda_graphs"] = !no_graphs;
   out["whole_step_graph"] = !args.layer_graph;
   out["graph_memset_kernels"] = !args.graph_memset_nodes;
-  out["dense_down_beside"] = args.dense_down_beside;
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = opt.dense_mlp_sms;
   out["pdl"] = !args.no_pdl;
@@ -447,9 +444,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "diagnostics: after the first context's timed steps, one more step with the "
                                       "fused expert kernel's per-tile %globaltimer records, written to this CSV "
                                       "(block, sm, tile, t_req, t0, t1 in ns; tile -1: block entry and PDL wait)");
-                       sub.add_flag("--dense-down-beside", a->dense_down_beside,
-                                    "A/B: the dense MLP's down projection on a one-stage TMA kernel beside the expert "
-                                    "launch instead of cuBLASLt after it (CudaOptions::dense_down_beside)");
                        sub.add_flag("--graph-memset-nodes", a->graph_memset_nodes,
                                     "A/B: keep cuBLASLt's memset nodes in the captured graphs instead of kernel nodes "
                                     "(CudaOptions::graph_memset_kernels = false)");

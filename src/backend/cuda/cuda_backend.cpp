@@ -45,7 +45,6 @@ struct DevLayer {
   int64_t cap = 0;
   void** attn_ptrs = nullptr;  // full layers with gemm_attention_: the denoise attention's batch pointers
   cuda::TmaMap exp_gu_map{}, exp_down_map{};  // over exp_gu / exp_down for the TMA expert kernels (use_tma_experts_)
-  cuda::TmaMap dense_down_map{};               // over dense_down, for cuda::dense_down_tma (use_tma_experts_)
   bool gu_packed = false;  // exp_gu in the packed layout (CudaOptions::pack_expert_gate_up, cuda/expert_layout.h)
   bool dn_packed = false;  // exp_down likewise (CudaOptions::pack_expert_down)
 };
@@ -354,9 +353,6 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&grouped_, cudaEventDisableTiming));
-    CUDA_CHECK(cudaStreamCreateWithFlags(&side2_, cudaStreamNonBlocking));
-    CUDA_CHECK(cudaEventCreateWithFlags(&dense_act_, cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventCreateWithFlags(&dense_done_, cudaEventDisableTiming));
     tm_ = std::max(opt.prefill_chunk, cfg_.canvas_length);
     if (opt.sliding_rewind < 0) fail("CudaOptions::sliding_rewind must be >= 0");
     if (opt.tma_weight_l2_promotion != 0 && opt.tma_weight_l2_promotion != 128 && opt.tma_weight_l2_promotion != 256)
@@ -405,13 +401,6 @@ class CudaBackend final : public Backend {
         }
         xs_map_ = cuda::tma_map_bf16_rows(s_.xs, int64_t(E) * M, H, M);
         acte_map_ = cuda::tma_map_bf16_rows(s_.acte, int64_t(E) * M, Ie, M);
-        const int Id = cfg_.intermediate_size;
-        dense_tma_ = H % 128 == 0 && Id % 64 == 0;
-        if (dense_tma_) {
-          for (DevLayer& L : layers_)
-            L.dense_down_map = cuda::tma_map_bf16_rows(L.dense_down, H, Id, 64, opt_.tma_weight_l2_promotion);
-          actd_map_ = cuda::tma_map_bf16_rows(s_.actd, tm_, Id, M);
-        }
       }  // else (not sm_90, or not 32 padded rows per expert): the cuBLASLt expert GEMMs
     }
     gemm_ = std::make_unique<cuda::Gemm>();
@@ -436,9 +425,6 @@ class CudaBackend final : public Backend {
     cudaEventDestroy(fork_);
     cudaEventDestroy(join_);
     cudaEventDestroy(grouped_);
-    cudaEventDestroy(dense_act_);
-    cudaEventDestroy(dense_done_);
-    cudaStreamDestroy(side2_);
     cudaStreamDestroy(side_);
     cudaFree(arena_.base);
     cudaFreeHost(host_ids_);
@@ -924,9 +910,6 @@ class CudaBackend final : public Backend {
     // Packed down weights leave the TMA kernel (or the fused launch) as down's only padded path.
     const bool down_tma = tma && !fused_experts && (opt_.tma_experts_down || L.dn_packed);
     const bool down_cublas = !down_tma && !fused_experts;
-    // CudaOptions::dense_down_beside: its one-stage blocks fit beside three 3-stage expert blocks an SM.
-    const bool dense_beside = opt_.dense_down_beside && overlap && fused_experts && dense_tma_ && T % 32 == 0 &&
-                              opt_.tma_experts_stages == 3 && opt_.expert_sms <= 0;
     const cuda::TmaExpertsPlan plan{
         .sms = overlap ? opt_.expert_sms : 0,
         .grid = opt_.tma_experts_grid,
@@ -945,12 +928,7 @@ class CudaBackend final : public Backend {
       CUDA_CHECK(cudaEventRecord(fork_, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
       gated_mlp_up_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, cfg_.intermediate_size);
-      if (dense_beside) {
-        CUDA_CHECK(cudaEventRecord(dense_act_, side_));
-        CUDA_CHECK(cudaStreamWaitEvent(side2_, dense_act_));
-        cuda::dense_down_tma(L.dense_down_map, actd_map_, T, cfg_.hidden_size, cfg_.intermediate_size, s_.m1, side2_);
-        CUDA_CHECK(cudaEventRecord(dense_done_, side2_));
-      } else if (!opt_.dense_down_last)
+      if (!opt_.dense_down_last)
         gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
     } else {
       gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
@@ -1048,11 +1026,9 @@ class CudaBackend final : public Backend {
       mark(kStDown);
     }
     if (overlap) {
-      if (opt_.dense_down_last && !dense_beside)
-        gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
+      if (opt_.dense_down_last) gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
       CUDA_CHECK(cudaEventRecord(join_, side_));
       CUDA_CHECK(cudaStreamWaitEvent(stream_, join_));
-      if (dense_beside) CUDA_CHECK(cudaStreamWaitEvent(stream_, dense_done_));
     }
     const bool last = l + 1 == cfg_.num_layers;  // else the combine also writes the next layer's input norm to x
     cuda::moe_combine_ffn(s_.y, s_.idx, s_.wk, s_.sorted_pos, T, K, s_.h, s_.m1, H, L.post_ff1, L.post_ff2,
@@ -1130,12 +1106,6 @@ class CudaBackend final : public Backend {
   cudaStream_t side_ = nullptr;  // the dense MLP's branch of a layer (layer())
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   cudaEvent_t grouped_ = nullptr;  // main -> side: the expert rows are grouped (the overflow kernels may start)
-  // CudaOptions::dense_down_beside: the dense down projection's stream, forked from side_ after the GELU (dense_act_)
-  // and joined into stream_ before the combine (dense_done_).
-  cudaStream_t side2_ = nullptr;
-  cudaEvent_t dense_act_ = nullptr, dense_done_ = nullptr;
-  bool dense_tma_ = false;   // the dense down weights have TMA maps (cuda::dense_down_tma can run)
-  cuda::TmaMap actd_map_{};  // over s_.actd (32-row boxes)
   int tm_ = 0;
   Arena arena_;
   std::unique_ptr<cuda::Gemm> gemm_, gemm_side_;

@@ -81,12 +81,6 @@ struct CudaOptions {
   // With overlap_dense_mlp: the dense MLP's down GEMM queued on the side stream after the assignment and the overflow
   // rows instead of before them (see CudaBackend::layer). A/B: bench --dense-down-first.
   bool dense_down_last = true;
-  // With overlap_dense_mlp and the fused expert launch (3-stage blocks): the dense MLP's down projection on a third
-  // stream right after its GELU, as cuda::dense_down_tma (the down expert kernel with one 21.5 KB ring stage, which
-  // fits an SM beside the three expert blocks) instead of the cuBLASLt GEMM that waits for the expert blocks to leave
-  // (the ~9 us tail a layer, docs/PERFORMANCE.md). Canvas-sized passes with T a multiple of 32. A/B: bench
-  // --dense-down-beside.
-  bool dense_down_beside = false;
   // With overlap_dense_mlp and the masked gate_up: the side stream's assignment (moe_assign_padded) as one block of
   // 256 threads instead of 1024, so that it fits beside the expert kernel's blocks (their registers leave ~23K an SM)
   // and runs while the experts stream instead of after them. Same results. H200, 4K step (docs/BENCHMARKS.md,

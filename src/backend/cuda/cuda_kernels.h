@@ -308,12 +308,6 @@ struct TmaExpertsPlan {
   const bf16* gate_up_packed = nullptr;
   const bf16* down_packed = nullptr;
 };
-// out[t, :] = bf16(act[t, :] W^T) for a dense down projection (W [H, I] through w, a tma_map_bf16_rows map of 64-row
-// boxes; act [>= T, I] through a map of 32-row boxes), on the down expert kernel with one ring stage (21.5 KB of shared
-// memory, 160 threads) on at most `blocks` blocks (0: one per SM): small enough to run on the SMs beside the fused
-// expert launch's three 3-stage blocks (CudaOptions::dense_down_beside). T a multiple of 32, H of 128, I of 64.
-void dense_down_tma(const TmaMap& w, const TmaMap& act, int T, int H, int I, bf16* out, cudaStream_t s,
-                    int blocks = 0);
 // Whether expert weights of these shapes have a packed layout (expert_layout.h): gate_up needs H and I multiples of
 // 64, down H a multiple of 128 and I of 64.
 bool expert_gate_up_packable(int H, int I);

@@ -78,8 +78,6 @@ constexpr int kThreads = 160;
 // one block per SM of 8 stages (160 KB: no second block fits, so a grid of n blocks stays on n SMs) when it leaves
 // SMs to a concurrent stream.
 constexpr int kStagesShared = 4, kStagesShared3 = 3, kStagesShared5 = 5, kStagesOwn = 8;
-// dense_down_tma: one stage (21.5 KB), so that a block fits an SM beside three 3-stage expert blocks.
-constexpr int kStagesBeside = 1;
 // alignment slack, the ring, its full and empty barriers (8 bytes each), and a tile slot per stage (GATHER: the
 // tile and its row count)
 constexpr int smem_bytes(int stages) { return 1024 + stages * kStageBytes + stages * 16 + stages * 8; }
@@ -133,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const int32_t* __restrict__ slot_token,
                   unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
                   const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed, int claim_ahead,
-                  int first_stride, int shared_weights) {
+                  int first_stride) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
   static_assert(!FUSED || (GATED && GATHER), "the fused kernel is the gathered gate_up followed by down");
 #if defined(DG_EXPERTS_TMA)
@@ -154,7 +152,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       row_b = row_a + 64;
       return;
     }
-    const int e = shared_weights ? 0 : tile / tiles_n, nt = tile % tiles_n;
+    const int e = tile / tiles_n, nt = tile % tiles_n;
     row_a = e * rows_per_expert + nt * (GATED ? 64 : 128);
     row_b = row_a + (GATED ? I : 64);
   };
@@ -165,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Without GATHER: expert e's valid rows, rows[e] or (masks) its tokens capped at 32. warp: the calling warp's 32
   // lanes all call (one mask word a lane), else one thread alone. After griddepcontrol.wait only.
   auto rows_of = [&](int e, bool warp_wide) {
-    if (!masks) return rows ? int(__ldcg(rows + e)) : kTok;  // null: every group full (dense_down_tma)
+    if (!masks) return int(__ldcg(rows + e));
     int c = 0;
     if (warp_wide) {
       const int ln = int(threadIdx.x) & 31;
@@ -195,8 +193,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bf16* w = gate_tile ? gu_packed : dn_packed;
     if (!w) return nullptr;
     const bool fused_down = FUSED && !gate_tile;
-    const int t = fused_down ? tile - n_gate : shared_weights ? tile % tiles_n : tile;
-    return w + expert_packed_stage(size_t(t), fused_down ? down_nk : nk, kt);
+    return w + expert_packed_stage(size_t(fused_down ? tile - n_gate : tile), fused_down ? down_nk : nk, kt);
   };
   // One stage's weights (k slice kt of tile `tile`, rows row_a / row_b), after one arrive.expect_tx of `expect` bytes
   // on its full barrier: two 2D boxes through the tensor map, or (packed weights) the stage's 16 KB image as one 1D
@@ -558,9 +555,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           const size_t row = size_t(e) * kTok + tok;
           if (GATED && !down) {
             act[row * I + nt * 64 + r] = __float2bfloat16(gelu_tanh(d0[idx]) * d1[idx]);
-          } else if (!GATED && !y) {  // dense_down_tma: bf16 out into act, as the cuBLASLt GEMM writes it
-            act[row * H + nt * 128 + r] = __float2bfloat16(d0[idx]);
-            act[row * H + nt * 128 + 64 + r] = __float2bfloat16(d1[idx]);
           } else {
             y[row * H + nt * 128 + r] = d0[idx];
             y[row * H + nt * 128 + 64 + r] = d1[idx];
@@ -670,8 +664,7 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
                act, y, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks,
                mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr,
-               plan.claim_ahead,
-               std::gcd(std::max(plan.first_tile_stride, 1), grid) == 1 ? std::max(plan.first_tile_stride, 1) : 1, 0);
+               plan.claim_ahead, std::gcd(std::max(plan.first_tile_stride, 1), grid) == 1 ? std::max(plan.first_tile_stride, 1) : 1);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int grid = shared_sm_grid(plan, tiles);
@@ -746,24 +739,6 @@ void moe_gate_up_padded_tma_masked(const TmaMap& w, const bf16* x, const unsigne
 void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
                          cudaStream_t s, const TmaExpertsPlan& plan) {
   launch_experts_tma<false, false>(w, act, rows, E, H, I, nullptr, y, plan, s);
-}
-
-void dense_down_tma(const TmaMap& w, const TmaMap& act, int T, int H, int I, bf16* out, cudaStream_t s, int blocks) {
-  if (T < kTok || T % kTok || H % 128 || I % kBK)
-    throw_cuda_error("dense_down_tma", "needs T a multiple of 32, H of 128 and I of 64", 0, __FILE__, __LINE__);
-  const int groups = T / kTok, tiles = groups * (H / 128);
-  CUtensorMap mw, mx;
-  std::memcpy(&mw, &w, sizeof mw);
-  std::memcpy(&mx, &act, sizeof mx);
-  const int grid = std::min(tiles, blocks > 0 ? blocks : sm_count());
-  // The down kernel with every token group an "expert" of the same weights (shared_weights), all rows valid (rows
-  // null), bf16 out through its act pointer (y null).
-  launch_pdl(experts_tma_k<false, kStagesBeside>, dim3(unsigned(grid)), dim3(kThreads),
-             size_t(smem_bytes(kStagesBeside)), s, mw, mx, static_cast<const int32_t*>(nullptr), groups, H, I, out,
-             static_cast<float*>(nullptr), 0, -1, static_cast<const bf16*>(nullptr),
-             static_cast<const int32_t*>(nullptr), static_cast<unsigned*>(nullptr),
-             static_cast<const unsigned*>(nullptr), 0, static_cast<const bf16*>(nullptr),
-             static_cast<const bf16*>(nullptr), 1, 1, 1);
 }
 
 void moe_down_padded_tma_masked(const TmaMap& w, const TmaMap& act, const unsigned* expert_masks, int T, int E, int H,
