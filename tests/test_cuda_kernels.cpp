@@ -945,20 +945,16 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
       // on 7 blocks: the same outputs.
       // With them, the first round's tiles permuted (first_tile_stride; 97 and 5 coprime to the default grids, 7
       // on 7 blocks falls back to tile b).
-      // And with the last down tiles split into halves: some, all of them (split_last_down past the count).
-      for (const auto [ahead, grid, stride, split] :
-           {std::tuple{1, 0, 97, 0}, std::tuple{64, 0, 5, 5}, std::tuple{2, 7, 7, 1 << 20}, std::tuple{3, 0, 1, 400}}) {
+      for (const auto [ahead, grid, stride] : {std::tuple{1, 0, 97}, std::tuple{64, 0, 5}, std::tuple{2, 7, 7}}) {
         Dev<bf16> act_c(rows * I);
         Dev<float> y_c(rows * H);
         moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_c.p, y_c.p, nullptr,
                                      {.grid = grid, .stages = grid ? 5 : 4, .tile_counters = fused_ctr.p,
-                                      .claim_ahead = ahead, .first_tile_stride = stride,
-                                      .split_last_down = split});
+                                      .claim_ahead = ahead, .first_tile_stride = stride});
         const auto ac = act_c.get();
         const auto yc_bits = y_c.get();
         EXPECT_EQ(0, std::memcmp(af1_bits.data(), ac.data(), ac.size() * sizeof(bf16))) << "claim_ahead " << ahead;
-        EXPECT_EQ(0, std::memcmp(yf1_bits.data(), yc_bits.data(), yc_bits.size() * 4))
-            << "claim_ahead " << ahead << " split " << split;
+        EXPECT_EQ(0, std::memcmp(yf1_bits.data(), yc_bits.data(), yc_bits.size() * 4)) << "claim_ahead " << ahead;
       }
     }
     // The packed gate_up layout (1D bulk copies of pre-swizzled stages) through every producer path: token rows from
@@ -985,8 +981,7 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
                                  {.l2_prefetch_slices = 3, .prewait_stages = 1, .tile_counters = fused_ctr.p,
                                   .gate_up_packed = dgu_pk.p});
     // Packed down weights, and down's row counts from the masks: the plain kernel (all SMs; 5 SMs with an L2
-    // prefetch), the masked one with and without packing, and the fused launch with both packed (7 blocks; its last
-    // 100 down tiles in halves, whose packed rows start half way into a stage).
+    // prefetch), the masked one with and without packing, and the fused launch with both packed (7 blocks).
     ASSERT_TRUE(expert_down_packable(H, I));
     Dev<bf16> ddn_pk(dn.size());
     pack_expert_down(ddn.p, ddn_pk.p, E, H, I, nullptr);
@@ -1001,7 +996,7 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
                                {.grid = 7, .stages = 5, .down_packed = ddn_pk.p});
     moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_fpk2.p, ypk(4), nullptr,
                                  {.grid = 7, .stages = 5, .prewait_stages = 0, .tile_counters = fused_ctr.p,
-                                  .split_last_down = 100, .gate_up_packed = dgu_pk.p, .down_packed = ddn_pk.p});
+                                  .gate_up_packed = dgu_pk.p, .down_packed = ddn_pk.p});
     set_pdl(false);
     moe_gate_up_padded_tma(wgu, xm, valid, E, H, I, act4.p, nullptr);
     moe_down_padded_tma(wdn, am, valid, E, H, I, y4.p, nullptr);

@@ -49,8 +49,7 @@ struct BenchArgs {
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
   bool graph_memset_nodes = false;  // CudaOptions::graph_memset_kernels off
   bool dense_mlp_priority = false;
-  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1, claim_ahead = 3, first_stride = 1,
-      split_last = 0;
+  int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1, claim_ahead = 3, first_stride = 1;
   int tma_stages = 3;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
   bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false;
@@ -170,7 +169,6 @@ int run_bench(const BenchArgs& args) {
   opt.tma_experts_prewait_stages = args.tma_prewait;
   opt.tma_experts_claim_ahead = args.claim_ahead;
   opt.tma_experts_first_stride = args.first_stride;
-  opt.tma_experts_split_last = args.split_last;
   opt.fused_experts = !args.no_fused_experts;
   opt.pack_expert_gate_up = !args.no_pack_gate_up;
   opt.pack_expert_down = !args.no_pack_down;
@@ -225,7 +223,6 @@ int run_bench(const BenchArgs& args) {
   out["tma_prewait_stages"] = args.tma_prewait;
   out["expert_claim_ahead"] = args.claim_ahead;
   out["expert_first_stride"] = args.first_stride;
-  out["expert_split_last"] = args.split_last;
   out["fused_experts"] = !args.no_fused_experts;
   out["pack_expert_gate_up"] = !args.no_pack_gate_up;
   out["pack_expert_down"] = !args.no_pack_down;
@@ -518,10 +515,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "block b of the fused expert launch starts on tile (b * this) mod grid "
                                       "(1: tile b; CudaOptions::tma_experts_first_stride)")
                            ->check(CLI::Range(1, 100000));
-                       sub.add_option("--expert-split-last", a->split_last,
-                                      "the fused expert launch's last N down tiles as two 64-row halves each (0: "
-                                      "none; CudaOptions::tma_experts_split_last)")
-                           ->check(CLI::Range(0, 1 << 20));
                        sub.add_option("--tma-grid", a->tma_grid,
                                       "blocks of the TMA expert kernels (0: as many as fit on every SM; CudaOptions::tma_experts_grid)")
                            ->check(CLI::NonNegativeNumber);

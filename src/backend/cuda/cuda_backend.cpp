@@ -919,7 +919,6 @@ class CudaBackend final : public Backend {
         .tile_counters = opt_.dynamic_expert_tiles ? s_.expert_tile_counters : nullptr,
         .claim_ahead = opt_.tma_experts_claim_ahead,
         .first_tile_stride = opt_.tma_experts_first_stride,
-        .split_last_down = opt_.tma_experts_split_last,
         .gate_up_packed = L.gu_packed ? L.exp_gu : nullptr,
         .down_packed = L.dn_packed ? L.exp_down : nullptr};
     if (overlap) {

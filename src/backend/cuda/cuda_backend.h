@@ -130,8 +130,6 @@ struct CudaOptions {
   int tma_experts_claim_ahead = 3;
   // cuda::TmaExpertsPlan::first_tile_stride. A/B: bench --expert-first-stride.
   int tma_experts_first_stride = 1;
-  // cuda::TmaExpertsPlan::split_last_down. A/B: bench --expert-split-last.
-  int tma_experts_split_last = 0;
   // With tma_experts (sms 0): the TMA kernels' grid (0: two blocks per SM) and ring stages (3, 4 or 5), for A/B
   // (bench --tma-grid / --tma-stages); cuda::TmaExpertsPlan explains them.
   // With the packed weights, three 3-stage blocks an SM measured 0.04-0.1 ms a step faster than two of 4 stages

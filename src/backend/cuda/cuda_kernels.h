@@ -302,9 +302,6 @@ struct TmaExpertsPlan {
   // > 1 and coprime to the grid: block b's first tile is (b * first_tile_stride) mod grid instead of b, so that the
   // first round's tiles, which all start together, are not in the blocks' (SMs') order. Same results.
   int first_tile_stride = 1;
-  // The fused launch: its last split_last_down down tiles (in claim order) as two 64-row halves each, so that the
-  // blocks' last tiles are shorter and they leave the SMs closer together (the launch's tail). 0: none.
-  int split_last_down = 0;
   // Non-null: the experts' gate_up / down weights in the packed layouts (expert_layout.h, pack_expert_gate_up /
   // pack_expert_down), each ring stage of those tiles one 1D bulk copy from here; the matching tensor map is then not
   // read. Bitwise the same results (the stages land in shared memory byte for byte as the 2D boxes do).

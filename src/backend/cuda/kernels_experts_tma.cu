@@ -131,26 +131,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const int32_t* __restrict__ slot_token,
                   unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
                   const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed, int claim_ahead,
-                  int first_stride, int split_last) {
+                  int first_stride) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
   static_assert(!FUSED || (GATED && GATHER), "the fused kernel is the gathered gate_up followed by down");
 #if defined(DG_EXPERTS_TMA)
   const int rows_per_expert = GATED ? 2 * I : H, tiles_n = GATED ? I / 64 : H / 128, K = GATED ? H : I;
-  // FUSED: tiles [0, n_gate) are gate_up's (tmW), then E * H / 128 down tiles (tmX holds the down weights), the
-  // last n_split of them (TmaExpertsPlan::split_last_down) as two 64-row halves each, claimed last.
-  const int down_tiles_n = H / 128, down_nk = I / kBK, n_down = FUSED ? E * down_tiles_n : 0;
-  const int n_split = FUSED ? (split_last < n_down ? (split_last > 0 ? split_last : 0) : n_down) : 0;
-  const int n_gate = E * tiles_n, n_tiles = FUSED ? n_gate + n_down + n_split : n_gate, nk = K / kBK;
-  // A down tile's index among the down tiles, and its half (-1: a whole 128-row tile).
-  auto down_index = [&](int tile, int& half) {
-    const int d = tile - n_gate, whole = n_down - n_split;
-    if (d < whole) {
-      half = -1;
-      return d;
-    }
-    half = (d - whole) & 1;
-    return whole + ((d - whole) >> 1);
-  };
+  // FUSED: tiles [0, n_gate) are gate_up's (tmW), then E * H / 128 down tiles (tmX holds the down weights).
+  const int n_gate = E * tiles_n, n_tiles = FUSED ? n_gate + E * (H / 128) : n_gate, nk = K / kBK;
+  const int down_tiles_n = H / 128, down_nk = I / kBK;
   unsigned* const expert_done = FUSED ? tile_ctr + 2 : nullptr;  // per expert: consumer warps done with its gate_up
   const unsigned gate_done = 4u * unsigned(tiles_n);             // ... when all its gate_up tiles are stored
   extern __shared__ unsigned char smem_raw[];
@@ -159,10 +147,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   auto weight_rows = [&](int tile, int& row_a, int& row_b) {
     if (FUSED && tile >= n_gate) {
-      int half;
-      const int d = down_index(tile, half), e = d / down_tiles_n, nt = d % down_tiles_n;
-      row_a = e * H + nt * 128 + (half > 0 ? 64 : 0);
-      row_b = row_a + 64;  // not loaded for a half tile
+      const int d = tile - n_gate, e = d / down_tiles_n, nt = d % down_tiles_n;
+      row_a = e * H + nt * 128;
+      row_b = row_a + 64;
       return;
     }
     const int e = tile / tiles_n, nt = tile % tiles_n;
@@ -171,15 +158,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // FUSED: the expert of a tile, whether it is a down tile, and its k slices.
   auto is_down = [&](int tile) { return FUSED && tile >= n_gate; };
-  auto expert_of = [&](int tile) {
-    int half;
-    return is_down(tile) ? down_index(tile, half) / down_tiles_n : tile / tiles_n;
-  };
-  auto half_of = [&](int tile) {
-    int half = -1;
-    if (is_down(tile)) down_index(tile, half);
-    return half;
-  };
+  auto expert_of = [&](int tile) { return is_down(tile) ? (tile - n_gate) / down_tiles_n : tile / tiles_n; };
   auto slices_of = [&](int tile) { return is_down(tile) ? down_nk : nk; };
   // Without GATHER: expert e's valid rows, rows[e] or (masks) its tokens capped at 32. warp: the calling warp's 32
   // lanes all call (one mask word a lane), else one thread alone. After griddepcontrol.wait only.
@@ -214,30 +193,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bf16* w = gate_tile ? gu_packed : dn_packed;
     if (!w) return nullptr;
     const bool fused_down = FUSED && !gate_tile;
-    int half = -1;
-    const int d = fused_down ? down_index(tile, half) : tile;
-    // the second half's rows (64-127) start half way into the stage image (expert_packed_in_stage)
-    return w + expert_packed_stage(size_t(d), fused_down ? down_nk : nk, kt) + (half > 0 ? kWBoxBytes / 2 : 0);
+    return w + expert_packed_stage(size_t(fused_down ? tile - n_gate : tile), fused_down ? down_nk : nk, kt);
   };
   // One stage's weights (k slice kt of tile `tile`, rows row_a / row_b), after one arrive.expect_tx of `expect` bytes
   // on its full barrier: two 2D boxes through the tensor map, or (packed weights) the stage's 16 KB image as one 1D
   // bulk copy, which lands the same bytes in the same places.
-  // A half down tile (split_last) loads only its 64 rows, into the first box's place, and expects their bytes only.
   auto issue_weights = [&](uint32_t st, uint32_t full, int tile, int kt, int row_a, int row_b, uint32_t expect,
                            uint64_t policy, bool down = false) {
-    const bool half = FUSED && down && half_of(tile) >= 0;
-    mbar_arrive_expect_tx(full, half ? expect - kWBoxBytes : expect);
+    mbar_arrive_expect_tx(full, expect);
     if (const bf16* src = packed_stage(tile, kt)) {
       asm volatile(
           "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
           "%4;" ::"r"(st),
-          "l"(src), "r"(half ? kWBoxBytes : 2 * kWBoxBytes), "r"(full), "l"(policy)
+          "l"(src), "r"(2 * kWBoxBytes), "r"(full), "l"(policy)
           : "memory");
       return;
     }
     const CUtensorMap* map = FUSED && down ? &tmX : &tmW;
     tma_load_2d(st, map, kt * kBK, row_a, full, policy);
-    if (!half) tma_load_2d(st + kWBoxBytes, map, kt * kBK, row_b, full, policy);
+    tma_load_2d(st + kWBoxBytes, map, kt * kBK, row_b, full, policy);
   };
   // Warms L2 with the first tile's weight slices [npre, npre + l2_prefetch_slices) before griddepcontrol.wait (no
   // shared memory, no barrier: a hint; the ring's loads of those slices then hit L2). Weights only.
@@ -542,8 +516,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     const bool down = is_down(tile);
-    int half = -1;
-    const int e = expert_of(tile), nt = down ? down_index(tile, half) % down_tiles_n : tile % tiles_n;
+    const int e = expert_of(tile), nt = down ? (tile - n_gate) % down_tiles_n : tile % tiles_n;
     float d0[16], d1[16];  // tile rows 0-63 (gate / first half) and 64-127 (up / second half)
 #pragma unroll
     for (int i = 0; i < 16; ++i) d0[i] = 0.f, d1[i] = 0.f;
@@ -557,15 +530,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint64_t da = desc_sw128(st), db = desc_sw128(st + kWBoxBytes), dx = desc_sw128(st + 2 * kWBoxBytes);
       fence_acc(d0), fence_acc(d1);
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-      if (half < 0) {
 #pragma unroll
-        for (int j = 0; j < kBK / 16; ++j) {
-          wgmma_m64n32k16(d0, da + 2 * j, dx + 2 * j);
-          wgmma_m64n32k16(d1, db + 2 * j, dx + 2 * j);
-        }
-      } else {  // a half down tile: its 64 rows in the first box
-#pragma unroll
-        for (int j = 0; j < kBK / 16; ++j) wgmma_m64n32k16(d0, da + 2 * j, dx + 2 * j);
+      for (int j = 0; j < kBK / 16; ++j) {
+        wgmma_m64n32k16(d0, da + 2 * j, dx + 2 * j);
+        wgmma_m64n32k16(d1, db + 2 * j, dx + 2 * j);
       }
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");  // bandwidth-bound: no deeper math pipeline
@@ -587,8 +555,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           const size_t row = size_t(e) * kTok + tok;
           if (GATED && !down) {
             act[row * I + nt * 64 + r] = __float2bfloat16(gelu_tanh(d0[idx]) * d1[idx]);
-          } else if (half >= 0) {
-            y[row * H + nt * 128 + 64 * half + r] = d0[idx];
           } else {
             y[row * H + nt * 128 + r] = d0[idx];
             y[row * H + nt * 128 + 64 + r] = d1[idx];
@@ -698,9 +664,7 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
                act, y, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks,
                mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr,
-               plan.claim_ahead,
-               std::gcd(std::max(plan.first_tile_stride, 1), grid) == 1 ? std::max(plan.first_tile_stride, 1) : 1,
-               FUSED ? plan.split_last_down : 0);
+               plan.claim_ahead, std::gcd(std::max(plan.first_tile_stride, 1), grid) == 1 ? std::max(plan.first_tile_stride, 1) : 1);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int grid = shared_sm_grid(plan, tiles);
