@@ -3,11 +3,27 @@
 
 Per launch (a layer): when its blocks entered and returned from griddepcontrol.wait, when the first tile's data came
 and the last tile ended, how the blocks' end times spread (the tail), how long gate_up / down tiles took, and how long
-consumers waited for a tile's first stage. Launches are told apart by gaps in the blocks' entry times.
-"""
-import csv, sys, statistics as st
+consumers waited for a tile's first stage. Launches are told apart by gaps in the blocks' entry times. Then, for the
+middle launch, tiles running and waiting per 10 us, and the weight bytes consumed per 5 us (each tile's bytes spread
+evenly over its first-stage-to-end span, so a rate, not a DRAM counter). Shapes default to the full-size model
+(E 128, H 2816, I 704: 11 gate_up tiles of 44 stages and 22 down tiles of 11 stages an expert, 16 KB a stage).
 
-def main(path):
+  python3 tools/gpu/experts_timeline.py FILE [--experts E --hidden H --moe-intermediate I]
+"""
+import argparse, csv, statistics as st
+
+STAGE_BYTES = 16384  # one 64-wide k slice of a 128-row weight tile, bf16
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2816)
+    ap.add_argument("--moe-intermediate", type=int, default=704)
+    a = ap.parse_args()
+    report(a.file, a.experts * (a.moe_intermediate // 64), a.hidden // 64, a.moe_intermediate // 64)
+
+def report(path, n_gate, gate_stages, down_stages):
     rows = [dict((k, int(v)) for k, v in r.items()) for r in csv.DictReader(open(path))]
     if not rows:
         print("no records"); return
@@ -21,7 +37,6 @@ def main(path):
             cur.append(r)
     launches.append(cur)
     tiles = sorted((r for r in rows if r["tile"] >= 0), key=lambda r: r["t0"])
-    n_gate = 128 * 11  # the model's gate_up tiles (E x I / 64)
     print(f"{len(launches)} launches, {len(tiles)} tile records")
     print("launch  blocks  entry_spread  wait_ret_spread  first_data  last_end  span(first_data..last_end)  "
           "end_spread(p10..max)  gate_tile_us(med)  down_tile_us(med)  stall_first_stage_us(sum/block)")
@@ -68,6 +83,23 @@ def main(path):
     print(f"\nSMs used {len(sms)}; first data per SM (us from first entry): p0 {(starts[0]-t_start)/1e3:.1f} "
           f"p25 {(starts[len(starts)//4]-t_start)/1e3:.1f} p50 {(starts[len(starts)//2]-t_start)/1e3:.1f} "
           f"p75 {(starts[3*len(starts)//4]-t_start)/1e3:.1f} max {(starts[-1]-t_start)/1e3:.1f}")
+    # weight bytes consumed per 5 us, from the first griddepcontrol.wait return (the route kernel's end)
+    t_wait = min(r["t1"] for r in L)
+    bins = [0.0] * (int((le - t_wait) / 5000) + 1)
+    for r in lt:
+        by = (gate_stages if r["tile"] < n_gate else down_stages) * STAGE_BYTES
+        a, b = max(r["t0"], t_wait), r["t1"]
+        if b <= a:
+            continue
+        for i in range(int((a - t_wait) // 5000), int((b - t_wait) // 5000) + 1):
+            lo, hi = max(a, t_wait + i * 5000), min(b, t_wait + (i + 1) * 5000)
+            if hi > lo and i < len(bins):
+                bins[i] += by * (hi - lo) / (b - a)
+    total = sum(bins)
+    print(f"\nlaunch {li}: {total / 1e9:.3f} GB of weights in {(le - t_wait) / 1e3:.1f} us from the first wait's return "
+          f"({total / (le - t_wait) / 1e3:.2f} TB/s); per 5 us:")
+    for i in range(0, len(bins), 6):
+        print("  " + "  ".join(f"{5 * j:4d} us {bins[j] / 5000 / 1e3:5.2f}" for j in range(i, min(i + 6, len(bins)))))
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()
