@@ -54,19 +54,6 @@ namespace {
 __device__ ExpertsTimelineRecord* g_etl = nullptr;
 __device__ unsigned g_etl_n = 0, g_etl_cap = 0;
 bool g_etl_on = false;  // host: launch the TL instantiation
-__device__ __forceinline__ unsigned long long etl_now() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ void etl_put(ExpertsTimelineRecord* buf, int tile, unsigned long long t_req,
-                                        unsigned long long t0, unsigned long long t1) {
-  const unsigned i = atomicAdd(&g_etl_n, 1u);
-  if (i >= g_etl_cap) return;
-  unsigned sm;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  buf[i] = ExpertsTimelineRecord{int(blockIdx.x), int(sm), tile, 0, t_req, t0, t1};
-}
 
 constexpr int kTok = 32;                          // padded token rows per expert (M of moe_group_padded)
 constexpr int kBK = 64;                           // k per stage: 64 bf16 = 128 B, one 128B-swizzle row
@@ -86,6 +73,20 @@ static_assert(kStageBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte align
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DG_EXPERTS_TMA 1
 using namespace hopper;
+// The tile timeline's clock and its append (the kernel's TL instantiation).
+__device__ __forceinline__ unsigned long long etl_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void etl_put(ExpertsTimelineRecord* buf, int tile, unsigned long long t_req,
+                                        unsigned long long t0, unsigned long long t1) {
+  const unsigned i = atomicAdd(&g_etl_n, 1u);
+  if (i >= g_etl_cap) return;
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  buf[i] = ExpertsTimelineRecord{int(blockIdx.x), int(sm), tile, 0, t_req, t0, t1};
+}
 // The fused kernel's wait for a count (ld.acquire: the writes released before the count's increments are visible to
 // this thread's loads after it).
 __device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
