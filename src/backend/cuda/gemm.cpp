@@ -275,11 +275,12 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
       fail("--gemm-config: cuBLASLt rejects {} for the {}x{}x{} GEMM (or it breaks the precision policy)",
            config_text(config), m, n, k);
   if (tune) {
-    // Time every acceptable candidate on the real operands as the engine runs it: inside a CUDA graph, each call
-    // right after a kernel (a one-word copy_words). Back-to-back eager calls hid what a configuration costs there:
-    // one that zeroes its workspace first adds a memset node, and in the decoder graph that node left the GPU idle
-    // ~12 us before the full layers' S GEMM (H200 trace, session 12). Best of 3 replays of 10 (kernel, GEMM) pairs,
-    // less the same graph without the GEMMs.
+    // Time every acceptable candidate on the real operands much as the engine runs it: inside a CUDA graph, each
+    // call right after a kernel (a one-word copy_words). Back-to-back eager calls hid what a configuration costs
+    // there: one that zeroes its workspace first adds a memset node, and in the decoder graph that node left the GPU
+    // idle ~12 us before the full layers' S GEMM (H200 trace, session 12). The engine's graphs now turn those memset
+    // nodes into kernel nodes (CudaOptions::graph_memset_kernels); this graph keeps them, as session 12's tuning did.
+    // Best of 3 replays of 10 (kernel, GEMM) pairs, less the same graph without the GEMMs.
     cudaEvent_t e0, e1;
     CUDA_CHECK(cudaEventCreate(&e0));
     CUDA_CHECK(cudaEventCreate(&e1));

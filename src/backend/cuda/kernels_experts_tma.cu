@@ -53,7 +53,9 @@ namespace {
 // block appends one record per tile (and one per block: tile -1, its entry and its griddepcontrol.wait's return).
 __device__ ExpertsTimelineRecord* g_etl = nullptr;
 __device__ unsigned g_etl_n = 0, g_etl_cap = 0;
-bool g_etl_on = false;  // host: launch the TL instantiation
+// Host side: the recording buffer and its capacity while a timeline is on (the TL instantiation is launched then).
+ExpertsTimelineRecord* g_etl_buf = nullptr;
+unsigned g_etl_buf_cap = 0;
 
 constexpr int kTok = 32;                          // padded token rows per expert (M of moe_group_padded)
 constexpr int kBK = 64;                           // k per stage: 64 bf16 = 128 B, one 128B-swizzle row
@@ -662,15 +664,17 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   // With the PDL attribute (launch.cuh; dropped while pdl_enabled() is false): the kernel's producer streams its
   // first stages' weights before griddepcontrol.wait (see the kernel).
   auto go = [&](auto kernel, int stages, int grid) {
+    const int stride = std::max(plan.first_tile_stride, 1);
+    const int first_stride = std::gcd(stride, grid) == 1 ? stride : 1;  // a permutation of [0, grid) or none
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
                act, y, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks,
                mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr,
-               plan.claim_ahead, std::gcd(std::max(plan.first_tile_stride, 1), grid) == 1 ? std::max(plan.first_tile_stride, 1) : 1);
+               plan.claim_ahead, first_stride);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     const int grid = shared_sm_grid(plan, tiles);
     if constexpr (FUSED) {
-      if (g_etl_on && plan.stages == kStagesShared3) {  // experts_timeline_begin
+      if (g_etl_buf && plan.stages == kStagesShared3) {  // experts_timeline_begin
         go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED, true>, kStagesShared3, grid);
         return;
       }
@@ -776,29 +780,25 @@ void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const vo
 
 void experts_timeline_begin(size_t capacity) {
   experts_timeline_end();  // drop any earlier buffer
-  ExpertsTimelineRecord* buf = nullptr;
-  CUDA_CHECK(cudaMalloc(&buf, std::max<size_t>(capacity, 1) * sizeof(ExpertsTimelineRecord)));
   const unsigned zero = 0, cap = unsigned(capacity);
+  CUDA_CHECK(cudaMalloc(&g_etl_buf, std::max<size_t>(capacity, 1) * sizeof(ExpertsTimelineRecord)));
+  g_etl_buf_cap = cap;
   CUDA_CHECK(cudaMemcpyToSymbol(g_etl_n, &zero, sizeof zero));
   CUDA_CHECK(cudaMemcpyToSymbol(g_etl_cap, &cap, sizeof cap));
-  CUDA_CHECK(cudaMemcpyToSymbol(g_etl, &buf, sizeof buf));
-  g_etl_on = true;
+  CUDA_CHECK(cudaMemcpyToSymbol(g_etl, &g_etl_buf, sizeof g_etl_buf));
 }
 std::vector<ExpertsTimelineRecord> experts_timeline_end() {
-  ExpertsTimelineRecord* buf = nullptr;
-  g_etl_on = false;
+  if (!g_etl_buf) return {};
   CUDA_CHECK(cudaDeviceSynchronize());
-  CUDA_CHECK(cudaMemcpyFromSymbol(&buf, g_etl, sizeof buf));
-  if (!buf) return {};
-  unsigned n = 0, cap = 0;
+  unsigned n = 0;
   CUDA_CHECK(cudaMemcpyFromSymbol(&n, g_etl_n, sizeof n));
-  CUDA_CHECK(cudaMemcpyFromSymbol(&cap, g_etl_cap, sizeof cap));
-  std::vector<ExpertsTimelineRecord> out(std::min(n, cap));
+  std::vector<ExpertsTimelineRecord> out(std::min(n, g_etl_buf_cap));
   if (!out.empty())
-    CUDA_CHECK(cudaMemcpy(out.data(), buf, out.size() * sizeof(ExpertsTimelineRecord), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(out.data(), g_etl_buf, out.size() * sizeof(ExpertsTimelineRecord), cudaMemcpyDeviceToHost));
   ExpertsTimelineRecord* none = nullptr;
   CUDA_CHECK(cudaMemcpyToSymbol(g_etl, &none, sizeof none));
-  CUDA_CHECK(cudaFree(buf));
+  CUDA_CHECK(cudaFree(g_etl_buf));
+  g_etl_buf = nullptr, g_etl_buf_cap = 0;
   return out;
 }
 

@@ -804,12 +804,13 @@ int memset_nodes_as_kernels(cudaGraph_t graph) {
     std::vector<cudaGraphEdgeData> dep_edges(nd), user_edges(nu);
     CUDA_CHECK(cudaGraphNodeGetDependencies(node, deps.data(), dep_edges.data(), &nd));
     CUDA_CHECK(cudaGraphNodeGetDependentNodes(node, users.data(), user_edges.data(), &nu));
-    const size_t height = mp.height ? mp.height : 1, count = mp.width * height;
-    const size_t pitch = height > 1 ? mp.pitch : mp.width * mp.elementSize;
+    // fill_pattern_k's arguments, by address as a kernel node takes them
     unsigned char* dst = static_cast<unsigned char*>(mp.dst);
     unsigned value = mp.value, elem = mp.elementSize;
-    size_t width = mp.width;
-    void* args[] = {&dst, const_cast<size_t*>(&pitch), &value, &elem, &width, const_cast<size_t*>(&height)};
+    size_t width = mp.width, height = mp.height ? mp.height : 1;
+    size_t pitch = height > 1 ? mp.pitch : width * elem;
+    const size_t count = width * height;
+    void* args[] = {&dst, &pitch, &value, &elem, &width, &height};
     cudaKernelNodeParams kp{};
     kp.func = reinterpret_cast<void*>(fill_pattern_k);
     kp.gridDim = dim3(unsigned(std::clamp<size_t>((count + kRowThreads - 1) / kRowThreads, 1, 1024)));
