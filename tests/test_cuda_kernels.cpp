@@ -320,6 +320,20 @@ void check_attention(int T, int nh, int nkv, int D, int64_t cap, int64_t first_p
   dq.put(to_bf16(q)), dkc.put(to_bf16(kc)), dvc.put(to_bf16(vc)), dkn.put(to_bf16(kn)), dvn.put(to_bf16(vn));
   AttentionArgs a{dq.p, T, nh, nkv, D, dkc.p, dvc.p, cap, first_pos, n_old, dkn.p, dvn.p, T, first_pos + n_old,
                   causal, window, out.p};
+  // Denoise launches also with the keys tiled by index (set_attention_key_runs(false)): both tilings against the
+  // oracle; and with Q loaded by the consumers' cp.async instead of TMA: the same bits.
+  Dev<bf16> out_index(q.size()), out_q_async(q.size());
+  if (!causal) {
+    set_attention_key_runs(false);
+    a.out = out_index.p;
+    attention(a, nullptr);
+    set_attention_key_runs(true);
+    set_attention_q_tma(false);
+    a.out = out_q_async.p;
+    attention(a, nullptr);
+    set_attention_q_tma(true);
+    a.out = out.p;
+  }
   attention(a, nullptr);
   const size_t row = size_t(nkv) * D;
   const int64_t nk = n_old + T;
@@ -342,6 +356,13 @@ void check_attention(int T, int nh, int nkv, int D, int64_t cap, int64_t first_p
   ThreadPool pool(2);
   cpu::attention(pool, q.data(), T, nh, K.data(), Vv.data(), nk, nkv, D, m, want.data());
   EXPECT_LE(rel_err(from_bf16(out.get()), want), 2e-2) << "T " << T << " D " << D << " n_old " << n_old;
+  if (!causal) {
+    EXPECT_LE(rel_err(from_bf16(out_index.get()), want), 2e-2)
+        << "keys tiled by index: T " << T << " D " << D << " n_old " << n_old;
+    const std::vector<bf16> q_tma = out.get(), q_async = out_q_async.get();
+    EXPECT_EQ(std::memcmp(q_tma.data(), q_async.data(), q_tma.size() * sizeof(bf16)), 0)
+        << "Q by TMA vs cp.async: T " << T << " D " << D << " n_old " << n_old;
+  }
 }
 
 TEST(CudaKernels, Attention) {
@@ -363,6 +384,11 @@ TEST(CudaKernels, Attention) {
   check_attention(100, 6, 2, 48, 70, 3, 61, false, 0);
   check_attention(77, 8, 1, 128, 130, 0, 129, true, 16);
   check_attention(50, 4, 4, 80, 64, 10, 60, false, 0);
+  // Sliding denoise key runs: a first run shorter than a tile (45 rows before the wrap); a ring not yet full (one run
+  // whose last tile reaches past the window into other rows of the ring); a ring of exactly the window.
+  check_attention(256, 16, 8, 256, 1535, 1490, 1023, false, 0);
+  check_attention(200, 16, 8, 256, 1100, 0, 300, false, 0);
+  check_attention(256, 16, 8, 256, 1023, 4000, 1023, false, 0);
 }
 
 // softmax_rows_to_bf16 against a double softmax: every dispatch branch (row in registers with 64 / 128 / 256 threads,

@@ -43,6 +43,8 @@ struct BenchArgs {
   int qkv_rope_warps = 0;  // 0: the default (cuda::set_qkv_rope_max_warps)
   std::string experts_timeline;  // CSV path: the fused expert kernel's tiles in one extra step (diagnostics)
   bool no_attn_tma = false;  // cuda::set_attention_tma(false)
+  bool no_attn_key_runs = false;  // cuda::set_attention_key_runs(false)
+  bool no_attn_q_tma = false;     // cuda::set_attention_q_tma(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
@@ -140,6 +142,8 @@ int run_bench(const BenchArgs& args) {
   cuda::set_attention_splits(args.attn_splits);
   cuda::set_qkv_rope_max_warps(args.qkv_rope_warps);
   cuda::set_attention_tma(!args.no_attn_tma);
+  cuda::set_attention_key_runs(!args.no_attn_key_runs);
+  cuda::set_attention_q_tma(!args.no_attn_q_tma);
   cuda::set_router_tensor_cores(args.router_tc);
   cuda::set_route_tokens_per_block(args.route_tokens);
   auto info = cuda::query_device(0);
@@ -234,6 +238,8 @@ int run_bench(const BenchArgs& args) {
   out["attention_splits"] = args.attn_splits;
   out["qkv_rope_warps"] = args.qkv_rope_warps;
   out["attention_tma"] = !args.no_attn_tma;
+  out["attention_key_runs"] = !args.no_attn_key_runs;
+  out["attention_q_tma"] = !args.no_attn_q_tma;
   out["router_tensor_cores"] = args.router_tc;
   out["route_tokens_per_block"] = args.route_tokens;
   out["dense_mlp_priority"] = opt.dense_mlp_priority;
@@ -463,6 +469,13 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--no-attn-tma", a->no_attn_tma,
                                     "A/B: the sliding attention kernel's K / V tiles all by cp.async instead of TMA "
                                     "(cuda::set_attention_tma)");
+                       sub.add_flag("--no-attn-key-runs", a->no_attn_key_runs,
+                                    "A/B: the sliding denoise attention's keys tiled by key index (tiles across the "
+                                    "ring's wrap or the cache / canvas boundary load by cp.async) instead of by "
+                                    "ring run, every tile one TMA box (cuda::set_attention_key_runs)");
+                       sub.add_flag("--no-attn-q-tma", a->no_attn_q_tma,
+                                    "A/B: the sliding attention kernel's Q rows by its consumers' cp.async instead of "
+                                    "TMA (cuda::set_attention_q_tma)");
                        sub.add_option("--attn-splits", a->attn_splits,
                                       "A/B: split-KV count of the attention launches that split (0: as many as fill "
                                       "the SMs; cuda::set_attention_splits)")

@@ -143,6 +143,13 @@ void set_attention_splits(int n);
 // A/B (bench --no-attn-tma): attention_ws_k's contiguous K / V tiles by TMA (on, the default) or all by cp.async.
 // The results are bitwise the same.
 void set_attention_tma(bool on);
+// A/B (bench --no-attn-key-runs): attention_ws_k's non-causal (denoise) launches tile the keys by cache-ring run and
+// fresh rows, every tile one TMA box (on, the default), or by key index (off: tiles across the ring's wrap or the
+// cache / fresh boundary load by cp.async). Not bitwise the same as each other: the keys are summed in another order.
+void set_attention_key_runs(bool on);
+// A/B (bench --no-attn-q-tma): attention_ws_k's Q rows by TMA from its producer (on, the default, where the group size
+// divides 64) or by the consumers' own cp.async. The results are bitwise the same.
+void set_attention_q_tma(bool on);
 
 // ---- denoise attention on cuBLASLt (kernels_attention_gemm.cu) ----
 // A denoise pass's queries all see the same n keys (no mask), so per query head h (kv head h / (nh / nkv)):
@@ -249,9 +256,10 @@ bool experts_tma_supported(int M, int H, int I);
 // fetch.
 TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows, int l2_promotion = 256);
 // (tensor_map.cpp) 3D map over a row-major bf16 [rows, heads, D] tensor (K / V rows of all heads), boxes of 64
-// head-dim columns x 1 head x box_rows rows, 128-byte swizzle: one box is a 64-column chunk of box_rows rows of one
-// head, laid out as the attention kernels' swizzled tiles.
-TmaMap tma_map_bf16_heads(const bf16* p, int64_t rows, int heads, int D, int box_rows);
+// head-dim columns x box_heads heads x box_rows rows, 128-byte swizzle: one box is a 64-column chunk of box_rows rows
+// of box_heads consecutive heads (row-major (row, head) order: a Q tile's rows), laid out as the attention kernels'
+// swizzled tiles. Box rows past the tensor's end read as zeros.
+TmaMap tma_map_bf16_heads(const bf16* p, int64_t rows, int heads, int D, int box_rows, int box_heads = 1);
 // The padded path's expert GEMMs on TMA + wgmma, for the rows t < rows[e] of each expert's 32-row block (rows =
 // meta + 1 + E of moe_group_padded); other rows of the outputs are not written. Same arithmetic as the cuBLASLt f32
 // GEMMs (+ moe_gelu_mul_padded) up to the order of the f32 sums.

@@ -65,6 +65,11 @@
 // each tile whose 64 keys are contiguous in one tensor by TMA (WsKvMaps, one thread, D / 64 boxes straight into the
 // swizzled layout), bitwise the same results: sliding denoise 34.8 -> 31.4 us, sliding prefill T 4096 0.228 -> 0.173
 // ms (attention_bench, H200). attention_wgx_k still loads by cp.async from all its threads.
+// Session 14 (timeline per block): the tiles left on cp.async (the ring's wrap, the cache / canvas boundary, the ragged
+// last tile) cost ~3.5 us each, so the split holding two of them set the launch's span (23.5 vs 14.5 us a block).
+// Denoise launches now tile the keys by ring run (`runs`, below: every tile one TMA box) and the producer loads Q by
+// TMA (`q_tma`): sliding denoise 29.8 -> 24.4 us per layer with its combine, sliding prefill 0.164 -> 0.159 ms (Q
+// only), 4K step 16.01 -> 15.80 ms in the same call.
 // Tried here and dropped: the split-KV merged inside a cluster of the nsplit CTAs through DSMEM (no workspace, no
 // combine launch): bitwise equal to the combine kernel, but the H200 holds only 30 clusters of 4 CTAs with this shared
 // memory (15 of 8), and the denoise grids need 32, so it never applied at model shapes; issuing the V loads after
@@ -467,6 +472,61 @@ __global__ void __launch_bounds__(kThreads, 1) attention_k(AttentionArgs a, Spli
   return j0 >= a.n_old ? fresh + (size_t(j0 - a.n_old) * a.nkv + kvh) * D + col0 : nullptr;
 }
 
+// ---- the split-KV merge (attention_combine_k) ----------------------------------------------------------------------
+// Row `row` (kv head * rows_total + its row) of the nsplit partials (split s at s * stride + row): its splits' weights
+// exp(m_s - max m) in split order (0 for a split that saw no key of the row), 1 / sum w_s l_s, and then four columns
+// of the merged, normalized output. (Session 14 also ran these at the end of the attention blocks themselves, each
+// block merging its share of its row tile's rows once all the tile's splits had counted in: bitwise the same, but
+// no faster than this kernel: 4K step 15.83-15.88 vs 15.80-15.81 ms.)
+constexpr int kCombineSplits = 8;
+struct CombineWeights {
+  float w[kCombineSplits];
+  float inv;
+  unsigned live;  // bit s: split s saw a key of the row (m_s > -inf)
+};
+__device__ __forceinline__ CombineWeights combine_weights(const Split& sp, size_t stride, int64_t row) {
+  CombineWeights cw;
+  float m[kCombineSplits], l[kCombineSplits];
+#pragma unroll
+  for (int s = 0; s < kCombineSplits; ++s)
+    if (s < sp.nsplit) {
+      const float2 v = *reinterpret_cast<const float2*>(sp.ws_ml + (s * stride + row) * 2);
+      m[s] = v.x, l[s] = v.y;
+    }
+  float mx = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < kCombineSplits; ++s)
+    if (s < sp.nsplit) mx = fmaxf(mx, m[s]);
+  float L = 0.0f;
+  cw.live = 0;
+#pragma unroll
+  for (int s = 0; s < kCombineSplits; ++s) {
+    cw.w[s] = 0.0f;
+    if (s < sp.nsplit && m[s] != -INFINITY) {
+      cw.w[s] = __expf(m[s] - mx);
+      L += cw.w[s] * l[s];
+      cw.live |= 1u << s;
+    }
+  }
+  cw.inv = L > 0 ? 1.0f / L : 0.0f;
+  return cw;
+}
+__device__ __forceinline__ void combine_chunk(const Split& sp, size_t stride, int64_t row, int D, int c,
+                                              const CombineWeights& cw, bf16* dst) {
+  float4 v[kCombineSplits];
+#pragma unroll
+  for (int s = 0; s < kCombineSplits; ++s)
+    if (s < sp.nsplit && (cw.live >> s & 1u))
+      v[s] = *reinterpret_cast<const float4*>(sp.ws_o + (s * stride + row) * D + c);
+  float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll
+  for (int s = 0; s < kCombineSplits; ++s)
+    if (s < sp.nsplit && (cw.live >> s & 1u))
+      acc.x += cw.w[s] * v[s].x, acc.y += cw.w[s] * v[s].y, acc.z += cw.w[s] * v[s].z, acc.w += cw.w[s] * v[s].w;
+  *reinterpret_cast<__nv_bfloat162*>(dst + c) = __floats2bfloat162_rn(acc.x * cw.inv, acc.y * cw.inv);
+  *reinterpret_cast<__nv_bfloat162*>(dst + c + 2) = __floats2bfloat162_rn(acc.z * cw.inv, acc.w * cw.inv);
+}
+
 // ---- shared by the wgmma kernels ------------------------------------------------------------------------------------
 // One 64-key x W-column bf16 tile (K or V rows j0 .. j0 + 63 of kv head kvh, head-dim columns col0 .. col0 + W - 1;
 // rows at or past je zero-filled) into the no-swizzle core-matrix layout (16 W bytes per 8-row group): 16-byte chunk
@@ -827,7 +887,7 @@ struct WsCfg {
   static constexpr int BM = 128, BN = 64, RS = D * 16;
   static constexpr size_t q_bytes = size_t(BM) * D * 2, kv_bytes = size_t(BN) * D * 2;
   static constexpr size_t bar_off = q_bytes + size_t(NK + 2) * kv_bytes;
-  static constexpr size_t smem = bar_off + 8 * (2 * NK + 4);
+  static constexpr size_t smem = bar_off + 8 * (2 * NK + 6);  // K / V full and empty, two Q full
 };
 
 // load_tile / load_q_tile for NTH threads: chunk i = t + NTH k of a ROWS x W tile -> row r, 16-byte column chunk c8,
@@ -934,9 +994,51 @@ __device__ __forceinline__ void mbar_wait_cta(uint32_t addr, uint32_t parity) {
 // barrier completes on their bytes. The other tiles keep the cp.async path. kc / vc: the layer's cache [cap, nkv, D]
 // (or the fresh rows when there is no cache), kn / vn: the fresh rows [T_new, nkv, D] (tma_map_bf16_heads, 64-row
 // boxes).
+//
+// Key runs (`runs`, non-causal launches only, i.e. denoise): the keys are tiled by where they lie instead of by key
+// index, so that every tile is one TMA box. The keys are three runs of rows: the cache ring's rows from the window's
+// first slot to the ring's end (A), the ring's rows from slot 0 on when the window wraps (B), and the fresh rows (C);
+// each run is cut into 64-row tiles from its start, and only a run's last tile is partial: the box's rows past the
+// run are masked (they are zero-filled past the tensor's end, other rows of the same zero-initialized or written
+// ring otherwise, so finite: a masked key's P = 0 times its V must not be NaN). Tiling by key index put the ring's
+// wrap, the cache / fresh boundary and the ragged end inside tiles that the producer had to load by cp.async, ~3.5
+// us more each (H200, attention_bench timeline: the split holding two such tiles took 23.5 us, an all-TMA split
+// 14.5). The splits take contiguous ranges of the run tiles, as even as the count allows. The summation order over
+// the keys differs from the index tiling, so the results are not bitwise those of `runs` off.
+// Q by TMA (`q_tma`, where 64 % g == 0): the producer loads each consumer warpgroup's 64 Q rows as D / 64 boxes of 64
+// columns x g heads x 64 / g queries of q [T, nh, D] (tma_map_bf16_heads with box_heads g), which is the tile's
+// (query, head) row order; queries past T read as zeros, as the consumers' own cp.async load zero-fills them. The
+// same bytes land in shared memory, so the results are bitwise those of the cp.async load.
 struct WsKvMaps {
-  TmaMap kc, vc, kn, vn;
+  TmaMap kc, vc, kn, vn, q;
+  int runs;   // 1: key runs (above); the launcher sets it only for non-causal launches
+  int q_tma;  // 1: Q by TMA (above)
 };
+struct KeyRuns {
+  int64_t start_a, len_a, len_b, tiles_a, tiles_b, tiles;
+};
+__device__ __forceinline__ KeyRuns key_runs(const AttentionArgs& a, int64_t fp_mod) {
+  KeyRuns r;
+  r.start_a = fp_mod;
+  r.len_a = min(a.n_old, a.cap - fp_mod);
+  r.len_b = a.n_old - r.len_a;
+  r.tiles_a = (r.len_a + 63) / 64, r.tiles_b = (r.len_b + 63) / 64;
+  r.tiles = r.tiles_a + r.tiles_b + (a.T_new + 63) / 64;
+  return r;
+}
+// Run tile t: the tensor (cache or fresh), its first row there, and how many of its 64 rows are keys.
+struct RunTile {
+  bool cached;
+  int64_t row0;
+  int valid;
+};
+__device__ __forceinline__ RunTile run_tile(const KeyRuns& r, const AttentionArgs& a, int64_t t) {
+  if (t < r.tiles_a) return {true, r.start_a + 64 * t, int(min(int64_t(64), r.len_a - 64 * t))};
+  t -= r.tiles_a;
+  if (t < r.tiles_b) return {true, 64 * t, int(min(int64_t(64), r.len_b - 64 * t))};
+  t -= r.tiles_b;
+  return {false, 64 * t, int(min(int64_t(64), a.T_new - 64 * t))};
+}
 
 template <int D, int NK, bool SW, bool TMA = false>
 __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a, Split sp,
@@ -955,7 +1057,20 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
   const int g = bp.g, kvh = bp.kvh, split = bp.split, rows_total = bp.rows_total, m0 = bp.m0;
   const int64_t q_min = bp.kr.q_min, q_max = bp.kr.q_max;
   int64_t jb = bp.kr.jb, je = bp.kr.je;
-  const int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
+  const bool runs = TMA && maps.runs;
+  // (32-bit divisions where the values allow: a 64-bit one is a long software sequence before the first load)
+  const int64_t fp_mod = a.cap <= 0 ? 0
+                         : a.first_pos <= INT32_MAX && a.cap <= INT32_MAX
+                             ? int64_t(uint32_t(a.first_pos) % uint32_t(a.cap))
+                             : a.first_pos % a.cap;
+  KeyRuns kr{};
+  int64_t run0 = 0;  // runs: this split's first run tile
+  int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
+  if (runs) {
+    kr = key_runs(a, fp_mod);
+    run0 = int(kr.tiles) * split / sp.nsplit;
+    ntiles = int(kr.tiles) * (split + 1) / sp.nsplit - run0;
+  }
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t kbuf = base + uint32_t(C::q_bytes), vbuf = kbuf + uint32_t(NK * C::kv_bytes);
   const uint32_t bars = base + uint32_t(C::bar_off);
@@ -963,15 +1078,17 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
   auto empty_k = [&](int s) { return bars + 8u * uint32_t(NK + s); };
   auto full_v = [&](int s) { return bars + 8u * uint32_t(2 * NK + s); };
   auto empty_v = [&](int s) { return bars + 8u * uint32_t(2 * NK + 2 + s); };
+  auto full_q = [&](int w) { return bars + 8u * uint32_t(2 * NK + 4 + w); };
+  const bool q_tma = TMA && maps.q_tma;
   if (tid == 0) {
     for (int s = 0; s < NK; ++s) mbar_init(full_k(s), 128), mbar_init(empty_k(s), 8);
     for (int s = 0; s < 2; ++s) mbar_init(full_v(s), 128), mbar_init(empty_v(s), 8);
+    for (int w = 0; w < 2; ++w) mbar_init(full_q(w), 1);
   }
   __syncthreads();
 
   if (tid < 128) {  // ---- producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProdRegs));
-    const int64_t fp_mod = a.first_pos % a.cap;
     // Q is loaded by the consumers themselves (below), so the first K tile goes out at once.
     uint32_t pend = 0;  // the barrier of the last load issued, signalled after the next one is issued
     auto signal = [&](uint32_t next) {
@@ -993,6 +1110,19 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
     auto load = [&](unsigned char* dst, bool is_k, int64_t j0, uint32_t bar) {
       const bf16 *cache = is_k ? a.k_cache : a.v_cache, *fresh = is_k ? a.k_new : a.v_new;
       if constexpr (TMA) {
+        if (runs) {  // j0: the run tile's index
+          if (tid == 0) {
+            const RunTile rt = run_tile(kr, a, j0);
+            const TmaMap& m = rt.cached ? (is_k ? maps.kc : maps.vc) : (is_k ? maps.kn : maps.vn);
+            mbar_arrive_expect_tx(bar, uint32_t(64 * D * 2));
+            const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+#pragma unroll
+            for (int c = 0; c < D / 64; ++c) tma_load_3d(d + uint32_t(c * 64 * 128), &m, c * 64, kvh, int(rt.row0), bar);
+          } else {
+            mbar_arrive(bar);
+          }
+          return;
+        }
         if (contiguous_keys(cache, fresh, a, D, kvh, 0, j0, je, fp_mod)) {
           flush();  // the previous cp.async tile's barrier first, then this one at once
           if (tid == 0) {
@@ -1013,17 +1143,31 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       ws_load_tile<SW, D, 128>(dst, cache, fresh, a, D, kvh, 0, j0, je, fp_mod, tid);
       signal(bar);
     };
-    if (ntiles > 0) load(smem + C::q_bytes, true, jb, full_k(0));
+    if (q_tma && tid == 0) {  // both warpgroups' Q rows first: the consumers wait for nothing else to start
+      if constexpr (TMA) {
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+          mbar_arrive_expect_tx(full_q(w), uint32_t(64 * D * 2));
+#pragma unroll
+          for (int c = 0; c < D / 64; ++c)
+            tma_load_3d(base + uint32_t(c * BM * 128 + w * 64 * 128), &maps.q, c * 64, kvh * g, (m0 + w * 64) / g,
+                        full_q(w));
+        }
+      }
+    }
+    // Tile i's first key (runs: its run tile's index).
+    auto tile_j0 = [&](int64_t i) { return runs ? run0 + i : jb + i * BN; };
+    if (ntiles > 0) load(smem + C::q_bytes, true, tile_j0(0), full_k(0));
     for (int64_t i = 0; i < ntiles; ++i) {
       if (i + 1 < ntiles) {
         const int64_t n = i + 1;
         const int s = int(n % NK);
         if (n >= NK) mbar_wait_cta(empty_k(s), uint32_t((n / NK - 1) & 1));
-        load(smem + C::q_bytes + s * C::kv_bytes, true, jb + n * BN, full_k(s));
+        load(smem + C::q_bytes + s * C::kv_bytes, true, tile_j0(n), full_k(s));
       }
       const int s = int(i & 1);
       if (i >= 2) mbar_wait_cta(empty_v(s), uint32_t((i / 2 - 1) & 1));
-      load(smem + C::q_bytes + (NK + s) * C::kv_bytes, false, jb + i * BN, full_v(s));
+      load(smem + C::q_bytes + (NK + s) * C::kv_bytes, false, tile_j0(i), full_v(s));
     }
     flush();
     DG_TL(tid == 0, kTlProducerDone, clock64());
@@ -1055,11 +1199,15 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
     // Each warpgroup loads its own 64 Q rows while the producer starts on K (the producer loading all of Q first
     // kept every consumer waiting through the Q load and the first K tile's issue: ~13% of the stall samples), then
     // makes them visible to its wgmma reads: its own copies landed, the proxy fence, a barrier of its 128 threads.
-    ws_load_q<SW, D, 128>(smem, a, D, kvh, g, 0, m0, rows_total, ct & 127, rbase);
-    cp_async_commit();
-    cp_async_wait<0>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg) : "memory");
+    if (q_tma) {
+      mbar_wait_cta(full_q(wg), 0);
+    } else {
+      ws_load_q<SW, D, 128>(smem, a, D, kvh, g, 0, m0, rows_total, ct & 127, rbase);
+      cp_async_commit();
+      cp_async_wait<0>();
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg) : "memory");
+    }
     DG_TL(ct == 0, kTlQ, clock64());
     if constexpr (kWsPingPong) {  // warpgroup 0 goes first
       if (wg == 1) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
@@ -1070,7 +1218,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
 #endif
     for (int64_t i = 0; i < ntiles; ++i) {
       const int ks = int(i % NK);
-      const int64_t j0 = jb + i * BN;
+      // runs: the mask sees the tile's keys as 0 .. 63 with its valid rows first (non-causal: j < je is all it tests)
+      const int64_t j0 = runs ? 0 : jb + i * BN, tile_je = runs ? run_tile(kr, a, run0 + i).valid : je;
       mbar_wait_cta(full_k(ks), uint32_t((i / NK) & 1));
       DG_TL(ct == 0 && i == 0, kTlFirstK, clock64());
       DG_TL_LAP(kTlLapWaitK);
@@ -1102,7 +1251,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       DG_TL_LAP(kTlLapWaitS);
       if (lane == 0) mbar_arrive(empty_k(ks));
       float alpha[2];
-      mask_softmax<NT>(s, alpha, m_r, l_r, a, j0, je, q_min, q_max, qp, tig);
+      mask_softmax<NT>(s, alpha, m_r, l_r, a, j0, tile_je, q_min, q_max, qp, tig);
       DG_TL_LAP(kTlLapSoftmax);
       wg_wait<0>();
       reg_fence(o);
@@ -1358,12 +1507,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
 #endif
 }
 
-// Merges the nsplit partial results of each row in split order: one warp per (kv head, row). Up to
-// kCombineSplits splits, every (m, l) pair and then every partial O chunk of a lane is loaded before any is used (all
-// of a warp's loads in flight at once; the loop that loaded them one dependent round trip at a time took ~7.5 us at
-// the sliding denoise shape, ncu, session 6); the arithmetic and its order are the loop's, so the results are the same
-// bits.
-constexpr int kCombineSplits = 8;
+// Merges the nsplit partial results of each row in split order: one warp per (kv head, row) (combine_weights,
+// combine_chunk). Up to kCombineSplits
+// splits, every (m, l) pair and then every partial O chunk of a lane is loaded before any is used (all of a warp's
+// loads in flight at once; the loop that loaded them one dependent round trip at a time took ~7.5 us at the sliding
+// denoise shape, ncu, session 6).
 __global__ void attention_combine_k(AttentionArgs a, Split sp) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
@@ -1375,39 +1523,8 @@ __global__ void attention_combine_k(AttentionArgs a, Split sp) {
   const size_t stride = size_t(a.nkv) * rows_total;
   bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D;
   if (sp.nsplit <= kCombineSplits) {
-    float m[kCombineSplits], l[kCombineSplits], w[kCombineSplits];
-#pragma unroll
-    for (int s = 0; s < kCombineSplits; ++s)
-      if (s < sp.nsplit) {
-        const float2 v = *reinterpret_cast<const float2*>(sp.ws_ml + (s * stride + row) * 2);
-        m[s] = v.x, l[s] = v.y;
-      }
-    float mx = -INFINITY;
-#pragma unroll
-    for (int s = 0; s < kCombineSplits; ++s)
-      if (s < sp.nsplit) mx = fmaxf(mx, m[s]);
-    float L = 0.0f;
-#pragma unroll
-    for (int s = 0; s < kCombineSplits; ++s)
-      if (s < sp.nsplit) {
-        w[s] = m[s] != -INFINITY ? __expf(m[s] - mx) : 0.0f;
-        if (m[s] != -INFINITY) L += w[s] * l[s];
-      }
-    const float inv = L > 0 ? 1.0f / L : 0.0f;
-    for (int c = lane * 4; c < D; c += 128) {
-      float4 v[kCombineSplits];
-#pragma unroll
-      for (int s = 0; s < kCombineSplits; ++s)
-        if (s < sp.nsplit && m[s] != -INFINITY)
-          v[s] = *reinterpret_cast<const float4*>(sp.ws_o + (s * stride + row) * D + c);
-      float4 acc = make_float4(0, 0, 0, 0);
-#pragma unroll
-      for (int s = 0; s < kCombineSplits; ++s)
-        if (s < sp.nsplit && m[s] != -INFINITY)
-          acc.x += w[s] * v[s].x, acc.y += w[s] * v[s].y, acc.z += w[s] * v[s].z, acc.w += w[s] * v[s].w;
-      *reinterpret_cast<__nv_bfloat162*>(dst + c) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
-      *reinterpret_cast<__nv_bfloat162*>(dst + c + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
-    }
+    const CombineWeights cw = combine_weights(sp, stride, row);
+    for (int c = lane * 4; c < D; c += 128) combine_chunk(sp, stride, row, D, c, cw, dst);
     return;
   }
   float mx = -INFINITY;
@@ -1450,6 +1567,8 @@ constexpr bool kWgxSw128 = true;      // attention_wgx_k: 128-byte swizzled tile
 // Split-KV count for a grid of `base` blocks over `tiles` key tiles (1: no split).
 int g_attention_splits = 0;  // set_attention_splits
 bool g_attention_tma = true;  // set_attention_tma
+bool g_attention_key_runs = true;  // set_attention_key_runs
+bool g_attention_q_tma = true;     // set_attention_q_tma
 
 Split pick_split(const AttentionArgs& a, int base, int64_t tiles, int D) {
   const int rows = a.T * (a.nh / a.nkv);
@@ -1524,6 +1643,9 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       const Split sp = pick_split(a, row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
       WsKvMaps maps{};
       const bool tma = kWsTma && kWsSw128 && g_attention_tma;
+      maps.runs = tma && !a.causal && g_attention_key_runs ? 1 : 0;
+      const int g = a.nh / a.nkv;
+      maps.q_tma = tma && g_attention_q_tma && 64 % g == 0 ? 1 : 0;
       if (tma) {
         const int64_t fresh_rows = std::max<int64_t>(a.T_new, 1);
         maps.kn = tma_map_bf16_heads(a.k_new, fresh_rows, a.nkv, 256, 64);
@@ -1531,6 +1653,7 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
         const bool cache = a.k_cache && a.v_cache && a.cap > 0;
         maps.kc = cache ? tma_map_bf16_heads(a.k_cache, a.cap, a.nkv, 256, 64) : maps.kn;
         maps.vc = cache ? tma_map_bf16_heads(a.v_cache, a.cap, a.nkv, 256, 64) : maps.vn;
+        if (maps.q_tma) maps.q = tma_map_bf16_heads(a.q, a.T, a.nh, 256, 64 / g, g);
       }
       launch_pdl(tma ? wsk_tma : wsk, dim3(dim3(row_tiles, a.nkv, sp.nsplit)), dim3(kWsThreads), W::smem, s, a, sp,
                  maps);
@@ -1570,6 +1693,8 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
 
 void set_attention_splits(int n) { g_attention_splits = n > 0 ? n : 0; }
 void set_attention_tma(bool on) { g_attention_tma = on; }
+void set_attention_key_runs(bool on) { g_attention_key_runs = on; }
+void set_attention_q_tma(bool on) { g_attention_q_tma = on; }
 
 #ifdef DG_ATTN_TIMELINE
 // The per-block timestamps of the last launch (TlSlot order, kTlSlots each); clear_attention_timeline() zeroes them.

@@ -62,14 +62,15 @@ TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows
   return encode(p, 2, dims, strides, box, promotion_of(l2_promotion, "tma_map_bf16_rows"));
 }
 
-TmaMap tma_map_bf16_heads(const bf16* p, int64_t rows, int heads, int D, int box_rows) {
+TmaMap tma_map_bf16_heads(const bf16* p, int64_t rows, int heads, int D, int box_rows, int box_heads) {
   if (D % 64 != 0 || (reinterpret_cast<uintptr_t>(p) & 15) != 0 || box_rows < 1 || box_rows > 256 || rows < 1 ||
-      heads < 1)
-    throw_cuda_error("tma_map_bf16_heads", "D must be a multiple of 64, the base 16-byte aligned, box rows 1..256", 0,
+      heads < 1 || box_heads < 1 || box_heads > heads || box_heads > 256)
+    throw_cuda_error("tma_map_bf16_heads",
+                     "D must be a multiple of 64, the base 16-byte aligned, box rows 1..256, box heads 1..heads", 0,
                      __FILE__, __LINE__);
   const cuuint64_t dims[3] = {cuuint64_t(D), cuuint64_t(heads), cuuint64_t(rows)};
   const cuuint64_t strides[2] = {cuuint64_t(D) * sizeof(bf16), cuuint64_t(heads) * D * sizeof(bf16)};
-  const cuuint32_t box[3] = {64, 1, cuuint32_t(box_rows)};
+  const cuuint32_t box[3] = {64, cuuint32_t(box_heads), cuuint32_t(box_rows)};
   return encode(p, 3, dims, strides, box, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
 }
 

@@ -91,6 +91,15 @@ static void print_timeline(const char* name, Run run) {
               b[0][Q] ? us(Setup, Q) : 0.0, us(b[0][Q] ? Q : Setup, FirstK), us(FirstK, FirstTile), tiles - 1,
               us(FirstTile, LoopEnd), tiles > 1 ? us(FirstTile, LoopEnd) / (tiles - 1) : 0.0, us(LoopEnd, LastPv),
               us(LastPv, Stored), b[0][ProducerDone] ? us(Entry, ProducerDone) : 0.0);
+  // ATTN_TL_BLOCKS=1: every block's span (us, in launch order: x fastest, then kv head, then split) and its loop's
+  // time from the first tile's end to the loop's end, to see which blocks the launch waits for.
+  if (const char* e = std::getenv("ATTN_TL_BLOCKS"); e && *e == '1') {
+    std::printf("  blocks (index: span / later tiles, us):");
+    for (size_t i = 0; i < b.size(); ++i)
+      std::printf("%s%zu: %.1f / %.1f", i % 8 ? "  " : "\n   ", i, (b[i][EndNs] - b[i][EntryNs]) / 1e3,
+                  double(b[i][LoopEnd] - b[i][FirstTile]) / rate / 1e3);
+    std::printf("\n");
+  }
   if (b[0][Laps] == 0 && b[0][Laps + 1] == 0) return;  // attention_ws_k only
   const char* lap[] = {"wait K", "ping-pong", "issue S", "wait V", "issue P.V", "wait S", "softmax", "wait P.V",
                        "rescale + pack"};
