@@ -1549,6 +1549,58 @@ __global__ void attention_combine_k(AttentionArgs a, Split sp) {
   }
 }
 
+// attention_combine_k for D = 256 and NS <= 4 splits (the sliding denoise launches) in one round trip: every (m, l)
+// pair and both of a lane's partial O chunks of every split are loaded at once (a split that saw no key of the row
+// is loaded too and then not used), then the same arithmetic in the same order as combine_weights / combine_chunk:
+// the same bits. 56 registers at NS = 4, so the 512 blocks of a sliding denoise launch are resident at once.
+// attention_bench (H200, session 14): sliding denoise with its combine 24.3 -> 22.4 us.
+template <int NS>
+__global__ void attention_combine256_k(AttentionArgs a, Split sp) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
+  constexpr int D = 256;
+  const int g = a.nh / a.nkv, rows_total = a.T * g;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= int64_t(a.nkv) * rows_total) return;
+  const int kvh = int(row / rows_total), gr = int(row % rows_total);
+  const size_t stride = size_t(a.nkv) * rows_total;
+  bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D;
+  float2 ml[NS];
+  float4 v[NS][2];
+#pragma unroll
+  for (int s = 0; s < NS; ++s) {
+    ml[s] = *reinterpret_cast<const float2*>(sp.ws_ml + (s * stride + row) * 2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      v[s][h] = *reinterpret_cast<const float4*>(sp.ws_o + (s * stride + row) * D + lane * 4 + h * 128);
+  }
+  float mx = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < NS; ++s) mx = fmaxf(mx, ml[s].x);
+  float w[NS], L = 0.0f;
+#pragma unroll
+  for (int s = 0; s < NS; ++s) {
+    w[s] = 0.0f;
+    if (ml[s].x != -INFINITY) {
+      w[s] = __expf(ml[s].x - mx);
+      L += w[s] * ml[s].y;
+    }
+  }
+  const float inv = L > 0 ? 1.0f / L : 0.0f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll
+    for (int s = 0; s < NS; ++s)
+      if (ml[s].x != -INFINITY)
+        acc.x += w[s] * v[s][h].x, acc.y += w[s] * v[s][h].y, acc.z += w[s] * v[s][h].z, acc.w += w[s] * v[s][h].w;
+    const int c = lane * 4 + h * 128;
+    *reinterpret_cast<__nv_bfloat162*>(dst + c) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+    *reinterpret_cast<__nv_bfloat162*>(dst + c + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  }
+}
+
 // Paths: D = 256 -> attention_ws_k (or attention_wg_k), D = 512 -> attention_wgx_k (cluster pairs), where the sm_90a
 // build is the one loaded (Hopper); everything else, and those where it is not, -> attention_k (mma.sync).
 constexpr bool kWgmma = true;      // master switch of the wgmma paths
@@ -1593,7 +1645,16 @@ Split pick_split(const AttentionArgs& a, int base, int64_t tiles, int D) {
 void combine(const AttentionArgs& a, const Split& sp, cudaStream_t s) {
   if (sp.nsplit <= 1) return;
   const int64_t nrows = int64_t(a.nkv) * a.T * (a.nh / a.nkv);
-  launch_pdl(attention_combine_k, dim3(unsigned((nrows + 7) / 8)), dim3(256), 0, s, a, sp);
+  const dim3 grid(unsigned((nrows + 7) / 8));
+  if (a.D == 256) {
+    switch (sp.nsplit) {
+      case 2: launch_pdl(attention_combine256_k<2>, grid, dim3(256), 0, s, a, sp); CUDA_CHECK_LAUNCH(); return;
+      case 3: launch_pdl(attention_combine256_k<3>, grid, dim3(256), 0, s, a, sp); CUDA_CHECK_LAUNCH(); return;
+      case 4: launch_pdl(attention_combine256_k<4>, grid, dim3(256), 0, s, a, sp); CUDA_CHECK_LAUNCH(); return;
+      default: break;
+    }
+  }
+  launch_pdl(attention_combine_k, grid, dim3(256), 0, s, a, sp);
   CUDA_CHECK_LAUNCH();
 }
 
