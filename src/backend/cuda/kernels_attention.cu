@@ -1045,9 +1045,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
                                                                 const __grid_constant__ WsKvMaps maps) {
   DG_TL(threadIdx.x == 0, kTlEntryNs, tl_ns());
   DG_TL(threadIdx.x == 0, kTlEntry, clock64());
-  pdl_wait();  // launch.cuh: nothing before this touches global memory
-  pdl_trigger();
 #if defined(DG_ATTN_WGMMA)
+  // Everything up to pdl_wait() below (the block's place, its key tiles, the barriers, the tensor maps' prefetch)
+  // reads only the kernel's parameters and shared memory, so it runs while the predecessor finishes.
   using C = WsCfg<D, NK>;
   constexpr int BM = C::BM, BN = C::BN, RS = C::RS, NT = BN / 8, OT = D / 8;
   constexpr uint32_t kVLbo = RS, kVSbo = 128;
@@ -1084,8 +1084,15 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
     for (int s = 0; s < NK; ++s) mbar_init(full_k(s), 128), mbar_init(empty_k(s), 8);
     for (int s = 0; s < 2; ++s) mbar_init(full_v(s), 128), mbar_init(empty_v(s), 8);
     for (int w = 0; w < 2; ++w) mbar_init(full_q(w), 1);
+    if constexpr (TMA) {
+      for (const TmaMap* m : {&maps.kc, &maps.vc, &maps.kn, &maps.vn})
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(m)) : "memory");
+      if (q_tma) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.q)) : "memory");
+    }
   }
   __syncthreads();
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
 
   if (tid < 128) {  // ---- producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProdRegs));
