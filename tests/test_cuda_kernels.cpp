@@ -427,10 +427,15 @@ TEST(CudaKernels, SoftmaxRowsToBf16) {
         EXPECT_NEAR(psum, 1.0, 1e-2) << "n " << n;
         for (int c = n; c < n_cols; ++c) EXPECT_EQ(P[off + c], 0.0f) << "n " << n << " column " << c;
       }
-    Dev<bf16> dP2(total);
+    Dev<bf16> dP2(total), dP3(total);
     softmax_rows_to_bf16(dS.p, ld, rows, groups, group_rows, n, n_cols, dP2.p, nullptr);
     auto a = dP.get(), b = dP2.get();
     EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)), 0) << "n " << n << ": not repeatable";
+    set_softmax_rows_reverse(false);  // the groups in order: the same bits
+    softmax_rows_to_bf16(dS.p, ld, rows, groups, group_rows, n, n_cols, dP3.p, nullptr);
+    set_softmax_rows_reverse(true);
+    auto c = dP3.get();
+    EXPECT_EQ(std::memcmp(a.data(), c.data(), a.size() * sizeof(bf16)), 0) << "n " << n << ": group order changed it";
   }
   EXPECT_THROW(softmax_rows_to_bf16(nullptr, 16, 1, 1, 1, 5, 6, nullptr, nullptr), std::exception);  // n_cols % 4
 }

@@ -45,6 +45,7 @@ struct BenchArgs {
   bool no_attn_tma = false;  // cuda::set_attention_tma(false)
   bool no_attn_key_runs = false;  // cuda::set_attention_key_runs(false)
   bool no_attn_q_tma = false;     // cuda::set_attention_q_tma(false)
+  bool no_softmax_reverse = false;  // cuda::set_softmax_rows_reverse(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
@@ -144,6 +145,7 @@ int run_bench(const BenchArgs& args) {
   cuda::set_attention_tma(!args.no_attn_tma);
   cuda::set_attention_key_runs(!args.no_attn_key_runs);
   cuda::set_attention_q_tma(!args.no_attn_q_tma);
+  cuda::set_softmax_rows_reverse(!args.no_softmax_reverse);
   cuda::set_router_tensor_cores(args.router_tc);
   cuda::set_route_tokens_per_block(args.route_tokens);
   auto info = cuda::query_device(0);
@@ -240,6 +242,7 @@ int run_bench(const BenchArgs& args) {
   out["attention_tma"] = !args.no_attn_tma;
   out["attention_key_runs"] = !args.no_attn_key_runs;
   out["attention_q_tma"] = !args.no_attn_q_tma;
+  out["softmax_rows_reverse"] = !args.no_softmax_reverse;
   out["router_tensor_cores"] = args.router_tc;
   out["route_tokens_per_block"] = args.route_tokens;
   out["dense_mlp_priority"] = opt.dense_mlp_priority;
@@ -476,6 +479,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--no-attn-q-tma", a->no_attn_q_tma,
                                     "A/B: the sliding attention kernel's Q rows by its consumers' cp.async instead of "
                                     "TMA (cuda::set_attention_q_tma)");
+                       sub.add_flag("--no-softmax-reverse", a->no_softmax_reverse,
+                                    "A/B: the full layers' attention softmax over the heads in order instead of last "
+                                    "head first (cuda::set_softmax_rows_reverse)");
                        sub.add_option("--attn-splits", a->attn_splits,
                                       "A/B: split-KV count of the attention launches that split (0: as many as fill "
                                       "the SMs; cuda::set_attention_splits)")

@@ -177,6 +177,9 @@ void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaSt
 // group g at S + (g group_rows + r) ld (P likewise), r < rows. n_cols % 4 == 0, ld % 8 == 0.
 void softmax_rows_to_bf16(const float* S, int ld, int rows, int groups, int group_rows, int n, int n_cols, bf16* P,
                           cudaStream_t s);
+// A/B (bench --no-softmax-reverse): softmax_rows_to_bf16's blocks take the groups last first (on, the default: the
+// rows the S GEMM wrote last, still in L2, are read first) or in order. The results are the same bits.
+void set_softmax_rows_reverse(bool on);
 
 // ---- MoE (kernels_moe.cu) ----
 // Router over f32 logits [T, E]: softmax, top-k (higher prob first, ties -> lower index), renormalized,

@@ -1096,7 +1096,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
 
   if (tid < 128) {  // ---- producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProdRegs));
-    // Q is loaded by the consumers themselves (below), so the first K tile goes out at once.
+    // Q: by TMA from thread 0 before the first K tile (q_tma), else by the consumers themselves (below), so that the
+    // first K tile goes out at once.
     uint32_t pend = 0;  // the barrier of the last load issued, signalled after the next one is issued
     auto signal = [&](uint32_t next) {
       cp_async_commit();
@@ -1203,9 +1204,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
                            : wg_desc(base + uint32_t(rbase / 8) * RS, 128, RS);
     const uint32_t v_lbo = SW ? 8192u : kVLbo, v_sbo = SW ? 1024u : kVSbo;
     constexpr int kVStep = SW ? 2048 / 16 : 2 * RS / 16;  // descriptor step of 16 keys
-    // Each warpgroup loads its own 64 Q rows while the producer starts on K (the producer loading all of Q first
-    // kept every consumer waiting through the Q load and the first K tile's issue: ~13% of the stall samples), then
-    // makes them visible to its wgmma reads: its own copies landed, the proxy fence, a barrier of its 128 threads.
+    // q_tma: wait for this warpgroup's Q boxes. Otherwise each warpgroup loads its own 64 Q rows while the producer
+    // starts on K (the producer loading all of Q by cp.async first kept every consumer waiting through the Q load and
+    // the first K tile's issue: ~13% of the stall samples), then makes them visible to its wgmma reads: its own copies
+    // landed, the proxy fence, a barrier of its 128 threads.
     if (q_tma) {
       mbar_wait_cta(full_q(wg), 0);
     } else {
@@ -1519,16 +1521,31 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
 // splits, every (m, l) pair and then every partial O chunk of a lane is loaded before any is used (all of a warp's
 // loads in flight at once; the loop that loaded them one dependent round trip at a time took ~7.5 us at the sliding
 // denoise shape, ncu, session 6).
+// A combine kernel's warp: its row (kv head * rows_total + the row), the splits' stride and the row's output; false
+// for a warp past the last row.
+struct CombineRow {
+  int64_t row;
+  size_t stride;
+  bf16* dst;
+};
+__device__ __forceinline__ bool combine_row(const AttentionArgs& a, int D, CombineRow& r) {
+  const int g = a.nh / a.nkv, rows_total = a.T * g;
+  r.row = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (r.row >= int64_t(a.nkv) * rows_total) return false;
+  const int kvh = int(r.row / rows_total), gr = int(r.row % rows_total);
+  r.stride = size_t(a.nkv) * rows_total;
+  r.dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D;
+  return true;
+}
 __global__ void attention_combine_k(AttentionArgs a, Split sp) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
-  const int g = a.nh / a.nkv, rows_total = a.T * g, D = a.D;
-  const int lane = threadIdx.x & 31;
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (row >= int64_t(a.nkv) * rows_total) return;
-  const int kvh = int(row / rows_total), gr = int(row % rows_total);
-  const size_t stride = size_t(a.nkv) * rows_total;
-  bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D;
+  const int D = a.D, lane = threadIdx.x & 31;
+  CombineRow cr;
+  if (!combine_row(a, D, cr)) return;
+  const int64_t row = cr.row;
+  const size_t stride = cr.stride;
+  bf16* dst = cr.dst;
   if (sp.nsplit <= kCombineSplits) {
     const CombineWeights cw = combine_weights(sp, stride, row);
     for (int c = lane * 4; c < D; c += 128) combine_chunk(sp, stride, row, D, c, cw, dst);
@@ -1566,13 +1583,12 @@ __global__ void attention_combine256_k(AttentionArgs a, Split sp) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   constexpr int D = 256;
-  const int g = a.nh / a.nkv, rows_total = a.T * g;
   const int lane = threadIdx.x & 31;
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (row >= int64_t(a.nkv) * rows_total) return;
-  const int kvh = int(row / rows_total), gr = int(row % rows_total);
-  const size_t stride = size_t(a.nkv) * rows_total;
-  bf16* dst = a.out + (size_t(gr / g) * a.nh + kvh * g + gr % g) * D;
+  CombineRow cr;
+  if (!combine_row(a, D, cr)) return;
+  const int64_t row = cr.row;
+  const size_t stride = cr.stride;
+  bf16* dst = cr.dst;
   float2 ml[NS];
   float4 v[NS][2];
 #pragma unroll

@@ -63,16 +63,24 @@ __device__ __forceinline__ void store_bf16x4(bf16* p, float a, float b, float c,
   *reinterpret_cast<uint2*>(p) = u;
 }
 
+// The group (head) of a softmax block: blockIdx.y, or the last group first (reverse). Blocks start in grid order and the
+// S GEMM's batch writes its heads in order, so in reverse the first rows read are the ones written last, most likely
+// still in L2 (a full layer's S is 71 MB at kv 4096); and the P rows written last are the first heads, which the PV
+// GEMM reads first. Each row's result is the same either way.
+__device__ __forceinline__ unsigned softmax_group(bool reverse) {
+  return reverse ? gridDim.y - 1 - blockIdx.y : blockIdx.y;
+}
+
 // One row a block (grid: rows x groups; row r of group g at S + (g group_rows + r) ld), the row held in registers:
 // kThreads threads of kPer4 float4 chunks (chunk c4 = thread + kThreads i), so n_cols <= 4 kThreads kPer4.
 template <int kThreads, int kPer4>
 __global__ void __launch_bounds__(kThreads) softmax_rows_regs_k(const float* S, int ld, int group_rows, int n,
-                                                                int n_cols, bf16* P) {
+                                                                int n_cols, bf16* P, bool reverse) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   constexpr int kW = kThreads / 32;
   __shared__ float red[kW];
-  const size_t row = size_t(blockIdx.y) * group_rows + blockIdx.x;
+  const size_t row = size_t(softmax_group(reverse)) * group_rows + blockIdx.x;
   const float4* s = reinterpret_cast<const float4*>(S + row * ld);
   bf16* p = P + row * ld;
   float v[4 * kPer4];
@@ -107,12 +115,12 @@ __global__ void __launch_bounds__(kThreads) softmax_rows_regs_k(const float* S, 
 // order, then a second pass that writes P.
 constexpr int kLongThreads = 512;
 __global__ void __launch_bounds__(kLongThreads) softmax_rows_long_k(const float* S, int ld, int group_rows, int n,
-                                                                    int n_cols, bf16* P) {
+                                                                    int n_cols, bf16* P, bool reverse) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   constexpr int kW = kLongThreads / 32;
   __shared__ float red[kW];
-  const size_t row = size_t(blockIdx.y) * group_rows + blockIdx.x;
+  const size_t row = size_t(softmax_group(reverse)) * group_rows + blockIdx.x;
   const float4* s = reinterpret_cast<const float4*>(S + row * ld);
   bf16* p = P + row * ld;
   float m = -INFINITY, sum = 0;
@@ -132,6 +140,8 @@ __global__ void __launch_bounds__(kLongThreads) softmax_rows_long_k(const float*
   }
 }
 
+bool g_softmax_reverse = true;  // set_softmax_rows_reverse
+
 }  // namespace
 
 void softmax_rows_to_bf16(const float* S, int ld, int rows, int groups, int group_rows, int n, int n_cols, bf16* P,
@@ -141,15 +151,18 @@ void softmax_rows_to_bf16(const float* S, int ld, int rows, int groups, int grou
     throw_cuda_error("softmax_rows_to_bf16", "bad shape (needs 1 <= n <= n_cols, n_cols % 4 == 0, ld >= n_cols, "
                                              "ld % 8 == 0, rows <= group_rows)", 0, __FILE__, __LINE__);
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(groups));
+  const bool rev = g_softmax_reverse;
   if (n_cols <= 4 * 64 * 6)
-    launch_pdl(softmax_rows_regs_k<64, 6>, grid, dim3(64), 0, s, S, ld, group_rows, n, n_cols, P);
+    launch_pdl(softmax_rows_regs_k<64, 6>, grid, dim3(64), 0, s, S, ld, group_rows, n, n_cols, P, rev);
   else if (n_cols <= 4 * 128 * 9)
-    launch_pdl(softmax_rows_regs_k<128, 9>, grid, dim3(128), 0, s, S, ld, group_rows, n, n_cols, P);
+    launch_pdl(softmax_rows_regs_k<128, 9>, grid, dim3(128), 0, s, S, ld, group_rows, n, n_cols, P, rev);
   else if (n_cols <= 4 * 256 * 9)
-    launch_pdl(softmax_rows_regs_k<256, 9>, grid, dim3(256), 0, s, S, ld, group_rows, n, n_cols, P);
+    launch_pdl(softmax_rows_regs_k<256, 9>, grid, dim3(256), 0, s, S, ld, group_rows, n, n_cols, P, rev);
   else
-    launch_pdl(softmax_rows_long_k, grid, dim3(kLongThreads), 0, s, S, ld, group_rows, n, n_cols, P);
+    launch_pdl(softmax_rows_long_k, grid, dim3(kLongThreads), 0, s, S, ld, group_rows, n, n_cols, P, rev);
 }
+
+void set_softmax_rows_reverse(bool on) { g_softmax_reverse = on; }
 
 size_t gemm_attention_pointer_count(int nh) { return size_t(6) * size_t(nh); }
 
