@@ -109,6 +109,7 @@
 // Scores are raw dot products (no 1/sqrt(D)), the softmax is f32 online (row max / sum), P is rounded to bf16 for
 // the P.V product (as HF's eager path does); the row sum uses the unrounded f32 p.
 #include <algorithm>
+#include <iterator>
 #include <cstdint>
 
 #include "backend/cuda/cuda_check.h"
@@ -484,32 +485,46 @@ struct CombineWeights {
   float inv;
   unsigned live;  // bit s: split s saw a key of the row (m_s > -inf)
 };
-__device__ __forceinline__ CombineWeights combine_weights(const Split& sp, size_t stride, int64_t row) {
+// The weights from the ns <= N splits' (m, l) pairs, already loaded.
+template <int N>
+__device__ __forceinline__ CombineWeights combine_weights_of(const float2 (&ml)[N], int ns) {
   CombineWeights cw;
-  float m[kCombineSplits], l[kCombineSplits];
-#pragma unroll
-  for (int s = 0; s < kCombineSplits; ++s)
-    if (s < sp.nsplit) {
-      const float2 v = *reinterpret_cast<const float2*>(sp.ws_ml + (s * stride + row) * 2);
-      m[s] = v.x, l[s] = v.y;
-    }
   float mx = -INFINITY;
 #pragma unroll
-  for (int s = 0; s < kCombineSplits; ++s)
-    if (s < sp.nsplit) mx = fmaxf(mx, m[s]);
+  for (int s = 0; s < N; ++s)
+    if (s < ns) mx = fmaxf(mx, ml[s].x);
   float L = 0.0f;
   cw.live = 0;
 #pragma unroll
-  for (int s = 0; s < kCombineSplits; ++s) {
+  for (int s = 0; s < N; ++s) {
     cw.w[s] = 0.0f;
-    if (s < sp.nsplit && m[s] != -INFINITY) {
-      cw.w[s] = __expf(m[s] - mx);
-      L += cw.w[s] * l[s];
+    if (s < ns && ml[s].x != -INFINITY) {
+      cw.w[s] = __expf(ml[s].x - mx);
+      L += cw.w[s] * ml[s].y;
       cw.live |= 1u << s;
     }
   }
   cw.inv = L > 0 ? 1.0f / L : 0.0f;
   return cw;
+}
+__device__ __forceinline__ CombineWeights combine_weights(const Split& sp, size_t stride, int64_t row) {
+  float2 ml[kCombineSplits];
+#pragma unroll
+  for (int s = 0; s < kCombineSplits; ++s)
+    if (s < sp.nsplit) ml[s] = *reinterpret_cast<const float2*>(sp.ws_ml + (s * stride + row) * 2);
+  return combine_weights_of(ml, sp.nsplit);
+}
+// Four merged, normalized columns from the ns <= N splits' partial chunks v (already loaded; dead splits unused),
+// stored as bf16 at dst.
+template <int N>
+__device__ __forceinline__ void combine_store4(const float4 (&v)[N], int ns, const CombineWeights& cw, bf16* dst) {
+  float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll
+  for (int s = 0; s < N; ++s)
+    if (s < ns && (cw.live >> s & 1u))
+      acc.x += cw.w[s] * v[s].x, acc.y += cw.w[s] * v[s].y, acc.z += cw.w[s] * v[s].z, acc.w += cw.w[s] * v[s].w;
+  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(acc.x * cw.inv, acc.y * cw.inv);
+  *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(acc.z * cw.inv, acc.w * cw.inv);
 }
 __device__ __forceinline__ void combine_chunk(const Split& sp, size_t stride, int64_t row, int D, int c,
                                               const CombineWeights& cw, bf16* dst) {
@@ -518,13 +533,7 @@ __device__ __forceinline__ void combine_chunk(const Split& sp, size_t stride, in
   for (int s = 0; s < kCombineSplits; ++s)
     if (s < sp.nsplit && (cw.live >> s & 1u))
       v[s] = *reinterpret_cast<const float4*>(sp.ws_o + (s * stride + row) * D + c);
-  float4 acc = make_float4(0, 0, 0, 0);
-#pragma unroll
-  for (int s = 0; s < kCombineSplits; ++s)
-    if (s < sp.nsplit && (cw.live >> s & 1u))
-      acc.x += cw.w[s] * v[s].x, acc.y += cw.w[s] * v[s].y, acc.z += cw.w[s] * v[s].z, acc.w += cw.w[s] * v[s].w;
-  *reinterpret_cast<__nv_bfloat162*>(dst + c) = __floats2bfloat162_rn(acc.x * cw.inv, acc.y * cw.inv);
-  *reinterpret_cast<__nv_bfloat162*>(dst + c + 2) = __floats2bfloat162_rn(acc.z * cw.inv, acc.w * cw.inv);
+  combine_store4(v, sp.nsplit, cw, dst + c);
 }
 
 // ---- shared by the wgmma kernels ------------------------------------------------------------------------------------
@@ -1058,11 +1067,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
   const int64_t q_min = bp.kr.q_min, q_max = bp.kr.q_max;
   int64_t jb = bp.kr.jb, je = bp.kr.je;
   const bool runs = TMA && maps.runs;
-  // (32-bit divisions where the values allow: a 64-bit one is a long software sequence before the first load)
-  const int64_t fp_mod = a.cap <= 0 ? 0
-                         : a.first_pos <= INT32_MAX && a.cap <= INT32_MAX
-                             ? int64_t(uint32_t(a.first_pos) % uint32_t(a.cap))
-                             : a.first_pos % a.cap;
+  const int64_t fp_mod = a.cap > 0 ? a.first_pos % a.cap : 0;
   KeyRuns kr{};
   int64_t run0 = 0;  // runs: this split's first run tile
   int64_t ntiles = je > jb ? (je - jb + BN - 1) / BN : 0;
@@ -1575,8 +1580,8 @@ __global__ void attention_combine_k(AttentionArgs a, Split sp) {
 
 // attention_combine_k for D = 256 and NS <= 4 splits (the sliding denoise launches) in one round trip: every (m, l)
 // pair and both of a lane's partial O chunks of every split are loaded at once (a split that saw no key of the row
-// is loaded too and then not used), then the same arithmetic in the same order as combine_weights / combine_chunk:
-// the same bits. 56 registers at NS = 4, so the 512 blocks of a sliding denoise launch are resident at once.
+// is loaded too and then not used), then attention_combine_k's arithmetic (combine_weights_of, combine_store4): the
+// same bits. 56 registers at NS = 4, so the 512 blocks of a sliding denoise launch are resident at once.
 // attention_bench (H200, session 14): sliding denoise with its combine 24.3 -> 22.4 us.
 template <int NS>
 __global__ void attention_combine256_k(AttentionArgs a, Split sp) {
@@ -1590,38 +1595,17 @@ __global__ void attention_combine256_k(AttentionArgs a, Split sp) {
   const size_t stride = cr.stride;
   bf16* dst = cr.dst;
   float2 ml[NS];
-  float4 v[NS][2];
+  float4 v[2][NS];
 #pragma unroll
   for (int s = 0; s < NS; ++s) {
     ml[s] = *reinterpret_cast<const float2*>(sp.ws_ml + (s * stride + row) * 2);
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      v[s][h] = *reinterpret_cast<const float4*>(sp.ws_o + (s * stride + row) * D + lane * 4 + h * 128);
+      v[h][s] = *reinterpret_cast<const float4*>(sp.ws_o + (s * stride + row) * D + lane * 4 + h * 128);
   }
-  float mx = -INFINITY;
+  const CombineWeights cw = combine_weights_of(ml, NS);
 #pragma unroll
-  for (int s = 0; s < NS; ++s) mx = fmaxf(mx, ml[s].x);
-  float w[NS], L = 0.0f;
-#pragma unroll
-  for (int s = 0; s < NS; ++s) {
-    w[s] = 0.0f;
-    if (ml[s].x != -INFINITY) {
-      w[s] = __expf(ml[s].x - mx);
-      L += w[s] * ml[s].y;
-    }
-  }
-  const float inv = L > 0 ? 1.0f / L : 0.0f;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float4 acc = make_float4(0, 0, 0, 0);
-#pragma unroll
-    for (int s = 0; s < NS; ++s)
-      if (ml[s].x != -INFINITY)
-        acc.x += w[s] * v[s][h].x, acc.y += w[s] * v[s][h].y, acc.z += w[s] * v[s][h].z, acc.w += w[s] * v[s][h].w;
-    const int c = lane * 4 + h * 128;
-    *reinterpret_cast<__nv_bfloat162*>(dst + c) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
-    *reinterpret_cast<__nv_bfloat162*>(dst + c + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
-  }
+  for (int h = 0; h < 2; ++h) combine_store4(v[h], NS, cw, dst + lane * 4 + h * 128);
 }
 
 // Paths: D = 256 -> attention_ws_k (or attention_wg_k), D = 512 -> attention_wgx_k (cluster pairs), where the sm_90a
@@ -1669,15 +1653,10 @@ void combine(const AttentionArgs& a, const Split& sp, cudaStream_t s) {
   if (sp.nsplit <= 1) return;
   const int64_t nrows = int64_t(a.nkv) * a.T * (a.nh / a.nkv);
   const dim3 grid(unsigned((nrows + 7) / 8));
-  if (a.D == 256) {
-    switch (sp.nsplit) {
-      case 2: launch_pdl(attention_combine256_k<2>, grid, dim3(256), 0, s, a, sp); CUDA_CHECK_LAUNCH(); return;
-      case 3: launch_pdl(attention_combine256_k<3>, grid, dim3(256), 0, s, a, sp); CUDA_CHECK_LAUNCH(); return;
-      case 4: launch_pdl(attention_combine256_k<4>, grid, dim3(256), 0, s, a, sp); CUDA_CHECK_LAUNCH(); return;
-      default: break;
-    }
-  }
-  launch_pdl(attention_combine_k, grid, dim3(256), 0, s, a, sp);
+  constexpr void (*k256[])(AttentionArgs, Split) = {nullptr, nullptr, attention_combine256_k<2>,
+                                                      attention_combine256_k<3>, attention_combine256_k<4>};
+  const bool one_trip = a.D == 256 && sp.nsplit < int(std::size(k256));
+  launch_pdl(one_trip ? k256[sp.nsplit] : attention_combine_k, grid, dim3(256), 0, s, a, sp);
   CUDA_CHECK_LAUNCH();
 }
 
