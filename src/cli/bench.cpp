@@ -55,7 +55,8 @@ struct BenchArgs {
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1, claim_ahead = 3, first_stride = 1;
   int tma_stages = 3;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
-  bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false;
+  bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false,
+       overflow_on_side = false, dense_down_side_plan = false;
   int tma_l2_promotion = 256;  // CudaOptions::tma_weight_l2_promotion
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -179,6 +180,8 @@ int run_bench(const BenchArgs& args) {
   opt.pack_expert_gate_up = !args.no_pack_gate_up;
   opt.pack_expert_down = !args.no_pack_down;
   opt.dense_down_last = !args.dense_down_first;
+  opt.overflow_stream = !args.overflow_on_side;
+  opt.dense_down_all_sms = !args.dense_down_side_plan;
   opt.graph_memset_kernels = !args.graph_memset_nodes;
   opt.narrow_assignment = !args.wide_assignment;
   opt.tma_weight_l2_promotion = args.tma_l2_promotion;
@@ -233,6 +236,8 @@ int run_bench(const BenchArgs& args) {
   out["pack_expert_gate_up"] = !args.no_pack_gate_up;
   out["pack_expert_down"] = !args.no_pack_down;
   out["dense_down_last"] = !args.dense_down_first;
+  out["overflow_stream"] = !args.overflow_on_side;
+  out["dense_down_all_sms"] = !args.dense_down_side_plan;
   out["narrow_assignment"] = !args.wide_assignment;
   out["tma_l2_promotion"] = args.tma_l2_promotion;
   out["tma_gather_rows"] = !args.no_tma_gather;
@@ -510,6 +515,12 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--dense-down-first", a->dense_down_first,
                                     "A/B: the dense MLP's down GEMM queued on the side stream before the assignment "
                                     "and the overflow rows (CudaOptions::dense_down_last)");
+                       sub.add_flag("--overflow-on-side", a->overflow_on_side,
+                                    "A/B: the experts' overflow rows on the side stream ahead of the dense down "
+                                    "GEMM instead of on their own stream (CudaOptions::overflow_stream off)");
+                       sub.add_flag("--dense-down-side-plan", a->dense_down_side_plan,
+                                    "A/B: the dense MLP's down GEMM planned for --dense-mlp-sms SMs like its up "
+                                    "GEMM instead of for every SM (CudaOptions::dense_down_all_sms off)");
                        sub.add_flag("--wide-assignment", a->wide_assignment,
                                     "A/B: the side stream's assignment as one 1024-thread block, which waits for "
                                     "the expert kernel's end (CudaOptions::narrow_assignment off)");

@@ -353,6 +353,9 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&grouped_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&overflow_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&assigned_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&overflowed_, cudaEventDisableTiming));
     tm_ = std::max(opt.prefill_chunk, cfg_.canvas_length);
     if (opt.sliding_rewind < 0) fail("CudaOptions::sliding_rewind must be >= 0");
     if (opt.tma_weight_l2_promotion != 0 && opt.tma_weight_l2_promotion != 128 && opt.tma_weight_l2_promotion != 256)
@@ -406,6 +409,9 @@ class CudaBackend final : public Backend {
     gemm_ = std::make_unique<cuda::Gemm>();
     // its own workspace: runs concurrently with gemm_
     gemm_side_ = std::make_unique<cuda::Gemm>(size_t(64) << 20, opt_.dense_mlp_sms);
+    // The dense down GEMM queued last (dense_down_last) starts as the expert kernel drains, alone on the GPU: planned
+    // for every SM (CudaOptions::dense_down_all_sms), with a workspace of its own (it is on the side stream).
+    if (opt_.dense_down_all_sms) gemm_tail_ = std::make_unique<cuda::Gemm>(size_t(16) << 20);
     // Mapped: a whole-step graph reads the ids and writes the row statistics there from its kernels (no memcpy nodes).
     CUDA_CHECK(cudaHostAlloc(&host_ids_, size_t(tm_) * sizeof(int32_t), cudaHostAllocMapped));
     CUDA_CHECK(cudaHostAlloc(&host_stats_, size_t(cfg_.canvas_length) * sizeof(cuda::DeviceRowStats),
@@ -422,9 +428,13 @@ class CudaBackend final : public Backend {
       if (g.exec) cudaGraphExecDestroy(g.exec);
     gemm_.reset();
     gemm_side_.reset();
+    gemm_tail_.reset();
     cudaEventDestroy(fork_);
     cudaEventDestroy(join_);
     cudaEventDestroy(grouped_);
+    cudaEventDestroy(assigned_);
+    cudaEventDestroy(overflowed_);
+    cudaStreamDestroy(overflow_);
     cudaStreamDestroy(side_);
     cudaFree(arena_.base);
     cudaFreeHost(host_ids_);
@@ -980,8 +990,16 @@ class CudaBackend final : public Backend {
         CUDA_CHECK(cudaEventRecord(grouped_, stream_));
         CUDA_CHECK(cudaStreamWaitEvent(side_, grouped_));
         if (masked) assign(side_);
-        overflow_gate_up(side_);
-        overflow_down(side_);
+        if (opt_.overflow_stream) {  // beside the dense down GEMM, not ahead of it (CudaOptions::overflow_stream)
+          CUDA_CHECK(cudaEventRecord(assigned_, side_));
+          CUDA_CHECK(cudaStreamWaitEvent(overflow_, assigned_));
+          overflow_gate_up(overflow_);
+          overflow_down(overflow_);
+          CUDA_CHECK(cudaEventRecord(overflowed_, overflow_));
+        } else {
+          overflow_gate_up(side_);
+          overflow_down(side_);
+        }
       }
       // gate/up in f32 (in registers on the TMA path, else in y, free until the down GEMM): one bf16 rounding, of the
       // activation, as the grouped kernels.
@@ -1026,9 +1044,12 @@ class CudaBackend final : public Backend {
       mark(kStDown);
     }
     if (overlap) {
-      if (opt_.dense_down_last) gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
+      if (opt_.dense_down_last)
+        gated_mlp_down_on(gemm_tail_ ? *gemm_tail_ : *gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size,
+                          s_.m1);
       CUDA_CHECK(cudaEventRecord(join_, side_));
       CUDA_CHECK(cudaStreamWaitEvent(stream_, join_));
+      if (padded && opt_.overflow_stream) CUDA_CHECK(cudaStreamWaitEvent(stream_, overflowed_));
     }
     const bool last = l + 1 == cfg_.num_layers;  // else the combine also writes the next layer's input norm to x
     cuda::moe_combine_ffn(s_.y, s_.idx, s_.wk, s_.sorted_pos, T, K, s_.h, s_.m1, H, L.post_ff1, L.post_ff2,
@@ -1106,9 +1127,11 @@ class CudaBackend final : public Backend {
   cudaStream_t side_ = nullptr;  // the dense MLP's branch of a layer (layer())
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   cudaEvent_t grouped_ = nullptr;  // main -> side: the expert rows are grouped (the overflow kernels may start)
+  cudaStream_t overflow_ = nullptr;  // the overflow rows' branch (CudaOptions::overflow_stream)
+  cudaEvent_t assigned_ = nullptr, overflowed_ = nullptr;  // side -> overflow_, overflow_ -> main
   int tm_ = 0;
   Arena arena_;
-  std::unique_ptr<cuda::Gemm> gemm_, gemm_side_;
+  std::unique_ptr<cuda::Gemm> gemm_, gemm_side_, gemm_tail_;
   std::vector<DevLayer> layers_;  // CudaWeights' pointers + this backend's KV regions
   Scratch s_{};
   bool gemm_attention_ = false;  // CudaOptions::gemm_attention

@@ -81,6 +81,16 @@ struct CudaOptions {
   // With overlap_dense_mlp: the dense MLP's down GEMM queued on the side stream after the assignment and the overflow
   // rows instead of before them (see CudaBackend::layer). A/B: bench --dense-down-first.
   bool dense_down_last = true;
+  // With overlap_dense_mlp: the experts' overflow rows (the gather and the two grouped GEMMs of rows past 32 an
+  // expert; almost always none) on a third stream forked from the side stream after the assignment and joined before
+  // the combine, instead of on the side stream ahead of the dense down GEMM. Their blocks (110 KB of shared memory)
+  // cannot sit beside the expert kernel's, so they start only as it drains; queued ahead of the dense down GEMM they
+  // held it back by their launches even with no rows to do. Same results. A/B: bench --overflow-on-side.
+  bool overflow_stream = true;
+  // With dense_down_last: that GEMM planned for every SM rather than dense_mlp_sms (it runs after the experts, where
+  // nothing else needs SMs; on 66 SMs it took 12.3 us in the session-15 profile, 7.1 alone on all). A/B: bench
+  // --dense-down-side-plan.
+  bool dense_down_all_sms = true;
   // With overlap_dense_mlp and the masked gate_up: the side stream's assignment (moe_assign_padded) as one block of
   // 256 threads instead of 1024, so that it fits beside the expert kernel's blocks (their registers leave ~23K an SM)
   // and runs while the experts stream instead of after them. Same results. H200, 4K step (docs/BENCHMARKS.md,
