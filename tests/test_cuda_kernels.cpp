@@ -85,6 +85,21 @@ double rel_err(const std::vector<float>& got, const std::vector<float>& want) {
   return md / std::max(mr, 1e-30);
 }
 
+// A bf16 ExpertRows output against the f32 output of the same kernel and inputs: every written element its bf16
+// rounding (to nearest even), every unwritten one (NaN poison in both buffers) left as the poison.
+void expect_bf16_rounding(const std::vector<float>& f, const std::vector<bf16>& b, const std::string& what) {
+  ASSERT_EQ(f.size(), b.size()) << what;
+  size_t bad = 0, written = 0;
+  for (size_t i = 0; i < f.size(); ++i) {
+    uint16_t got;
+    std::memcpy(&got, &b[i], 2);
+    written += !std::isnan(f[i]);
+    bad += got != (std::isnan(f[i]) ? uint16_t(0xFFFF) : f32_to_bf16(f[i]));
+  }
+  EXPECT_EQ(bad, 0u) << what;
+  EXPECT_GT(written, 0u) << what;
+}
+
 TEST(CudaKernels, EmbedScale) {
   REQUIRE_GPU();
   const int V = 37, H = 72, T = 13;
@@ -666,6 +681,26 @@ TEST(CudaKernels, MoeCombineFfn) {
     std::vector<float> want_x(h2.size());
     cpu::rms_norm(h2.data(), T, H, w_next.data(), eps, want_x.data());
     EXPECT_LE(rel_err(from_bf16(x_next.get()), want_x), 8e-3) << "T " << T << " H " << H;
+    // bf16 expert rows (ExpertRows, the denoise passes' y): the same h and x_next bits as f32 rows holding the same
+    // (bf16-exact) values, since the combine widens each one exactly before the same arithmetic.
+    auto y_r = y;
+    const auto y16 = to_bf16(y_r);  // y_r rounded in place
+    Dev<float> dy_r(y_r.size()), dh_f(h.size()), dh_b(h.size());
+    Dev<bf16> dy16(y16.size()), xn_f(h.size()), xn_b(h.size());
+    dy_r.put(y_r), dy16.put(y16), dh_f.put(h), dh_b.put(h);
+    moe_combine_ffn(dy_r.p, didx.p, dw.p, dspos.p, T, k, dh_f.p, dm1.p, H, dw1.p, dw2.p, dwn.p, eps, scalar, nullptr,
+                    dwx.p, xn_f.p);
+    moe_combine_ffn(dy16.p, didx.p, dw.p, dspos.p, T, k, dh_b.p, dm1.p, H, dw1.p, dw2.p, dwn.p, eps, scalar, nullptr,
+                    dwx.p, xn_b.p);
+    const auto hf = dh_f.get(), hb = dh_b.get();
+    EXPECT_EQ(0, std::memcmp(hf.data(), hb.data(), hf.size() * sizeof(float))) << "bf16 rows, T " << T << " H " << H;
+    const auto xf = xn_f.get(), xb = xn_b.get();
+    EXPECT_EQ(0, std::memcmp(xf.data(), xb.data(), xf.size() * sizeof(bf16))) << "bf16 rows, T " << T << " H " << H;
+    Dev<float> out_f(h.size()), out_b(h.size());
+    moe_combine(dy_r.p, didx.p, dw.p, dspos.p, T, k, H, out_f.p, nullptr);
+    moe_combine(dy16.p, didx.p, dw.p, dspos.p, T, k, H, out_b.p, nullptr);
+    const auto of = out_f.get(), ob = out_b.get();
+    EXPECT_EQ(0, std::memcmp(of.data(), ob.data(), of.size() * sizeof(float))) << "moe_combine, bf16 rows";
   }
 }
 
@@ -803,6 +838,11 @@ TEST(CudaKernels, MoeGroupedExperts) {
       EXPECT_EQ(std::memcmp(yy.data(), yp.data(), yy.size() * sizeof(float)), 0)
           << "grouped down on packed weights, T " << T << " E " << E << " H " << H;
     }
+    {  // bf16 output rows (ExpertRows)
+      Dev<bf16> y16(idx.size() * H);
+      moe_down(act.p, off.p, E, T * k, ddn.p, H, I, y16.p, nullptr);
+      expect_bf16_rounding(y.get(), y16.get(), "grouped down, bf16 y, T " + std::to_string(T) + " H " + std::to_string(H));
+    }
     auto offs = off.get();
     EXPECT_EQ(offs[size_t(E)], T * k);
     EXPECT_LE(rel_err(out.get(), moe_reference(x, gu, dn, wts, idx, T, E, k, H, I)), 1e-2)
@@ -832,6 +872,13 @@ TEST(CudaKernels, MoePaddedExperts) {
     gemm.linear_batched(act.p, Dt::BF16, M, ddn.p, Dt::BF16, H, I, y.p, Dt::F32, E, nullptr);
     moe_down(act.p, ovf.p, E, T * k, ddn.p, H, I, y.p, nullptr, meta.p);
     moe_combine(y.p, didx.p, dw.p, spos.p, T, k, H, out.p, nullptr);
+    {  // the overflow rows alone into fresh buffers, f32 and bf16 (ExpertRows)
+      Dev<float> y_o(rows * H);
+      Dev<bf16> y_o16(rows * H);
+      moe_down(act.p, ovf.p, E, T * k, ddn.p, H, I, y_o.p, nullptr, meta.p);
+      moe_down(act.p, ovf.p, E, T * k, ddn.p, H, I, y_o16.p, nullptr, meta.p);
+      if (M == 16 && E == 16) expect_bf16_rounding(y_o.get(), y_o16.get(), "overflow down, bf16 y");
+    }
     // the overflow rows are exactly the pairs past M of each expert; meta lists those experts and the padded rows
     std::vector<int> cnt(static_cast<size_t>(E), 0);
     for (int e : idx) ++cnt[size_t(e)];
@@ -1152,6 +1199,15 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
           << "down, " << down_case[i] << ", " << what;
     EXPECT_TRUE(same(a1, act_fpk2.get())) << "fused launch, both packed: act, " << what;
     EXPECT_EQ(tile_ctr.get(), (std::vector<unsigned>{0u, 0u})) << "tile counters not left zeroed (packed), " << what;
+    {  // bf16 y (ExpertRows): the fused launch and the down kernel, bitwise the bf16 rounding of their f32 y
+      Dev<bf16> act_b(rows * I), y_b(rows * H), y_db(rows * H);
+      moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_b.p, y_b.p, nullptr,
+                                   {.tile_counters = fused_ctr.p});
+      moe_down_padded_tma(wdn, am, valid, E, H, I, y_db.p, nullptr);
+      EXPECT_TRUE(same(a1, act_b.get())) << "fused, bf16 y: act, " << what;
+      expect_bf16_rounding(yf1, y_b.get(), "fused, bf16 y, " + what);
+      expect_bf16_rounding(y1, y_db.get(), "down, bf16 y, " + what);
+    }
     if (E == 3) {
       EXPECT_GT(overflow, 0) << "the case meant to overflow does not";
     }

@@ -308,6 +308,12 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
               wgu_map, wdn_map, xe, masks, T, E, H, Ie, acte, y, st,
               {.tile_counters = tiles, .gate_up_packed = wgu_packed, .down_packed = wdn_packed});
         });
+    add("gate_up + down fused TMA, both packed, bf16 y (engine, denoise)", pad + ", one launch",
+        gu_bytes + dn_bytes, gu_flops + dn_flops, [=](cudaStream_t st) {
+          cuda::moe_experts_fused_tma_masked(
+              wgu_map, wdn_map, xe, masks, T, E, H, Ie, acte, reinterpret_cast<bf16*>(y), st,
+              {.tile_counters = tiles, .gate_up_packed = wgu_packed, .down_packed = wdn_packed});
+        });
     add("gate_up TMA masked then down TMA masked, both packed (--no-fused-experts)", pad + ", two launches",
         gu_bytes + dn_bytes, gu_flops + dn_flops, [=](cudaStream_t st) {
           cuda::moe_gate_up_padded_tma_masked(wgu_map, xe, masks, T, E, H, Ie, acte, st,
@@ -360,6 +366,11 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
   add("moe_combine_ffn", tH + ", " + std::to_string(K) + " expert rows a token", double(T) * H * (4.0 * K + 4 + 4 + 2 + 2),
       0, [=](cudaStream_t st) {
         cuda::moe_combine_ffn(y, idx, wk, spos, T, K, h, m1, H, w_h, w_h, w_h, eps, 1.0f, st, w_h, x1);
+      });
+  add("moe_combine_ffn, bf16 expert rows (engine, denoise)", tH + ", " + std::to_string(K) + " expert rows a token",
+      double(T) * H * (2.0 * K + 4 + 4 + 2 + 2), 0, [=](cudaStream_t st) {
+        cuda::moe_combine_ffn(reinterpret_cast<const bf16*>(y), idx, wk, spos, T, K, h, m1, H, w_h, w_h, w_h, eps, 1.0f,
+                              st, w_h, x1);
       });
   {
     // a prefill chunk: 4096 tokens through the grouped kernels

@@ -51,7 +51,9 @@ struct DevLayer {
 
 struct Scratch {
   int32_t* ids;
-  float *h, *xr, *rl, *wk, *y, *sig, *logits;
+  float *h, *xr, *rl, *wk, *sig, *logits;
+  float* y;     // the experts' output rows, f32 or (denoise passes, CudaOptions::bf16_expert_rows) bf16
+  float* gu32;  // the padded cuBLASLt path's f32 gate/up, before its GELU pass
   bf16 *x, *x1, *xe, *qkv, *q, *kn, *vn, *att, *a, *gu, *actd, *m1, *xs, *acte, *probs;
   int32_t *idx, *offsets, *sorted_pos, *moe_meta;
   int32_t* slot_token;  // [E M]: the token in each padded expert slot (moe_assign_padded), for the gathered gate_up
@@ -916,6 +918,10 @@ class CudaBackend final : public Backend {
     // the combine: the dense MLP runs on a side stream (fork/join events, captured into the graph as parallel
     // branches). Stage-timed, traced and GEMM-tuning passes keep one stream so their times stay attributable.
     const bool overlap = opt_.overlap_dense_mlp && !timing_ && !trace_ && !cuda::gemm_tuning();
+    // The experts' output rows: bf16 on denoise passes (CudaOptions::bf16_expert_rows), else f32.
+    const cuda::ExpertRows y = pass == Pass::Decoder && opt_.bf16_expert_rows
+                                   ? cuda::ExpertRows(reinterpret_cast<bf16*>(s_.y))
+                                   : cuda::ExpertRows(s_.y);
     const bool fused_experts = masked && opt_.fused_experts && opt_.dynamic_expert_tiles;
     // Packed down weights leave the TMA kernel (or the fused launch) as down's only padded path.
     const bool down_tma = tma && !fused_experts && (opt_.tma_experts_down || L.dn_packed);
@@ -977,14 +983,14 @@ class CudaBackend final : public Backend {
       }
       mark(kStGroup);
       // The overflow rows run on a small grid over the listed experts (moe_group_padded's meta). Their rows of xs,
-      // act and y lie past the padded ones (and past the f32 gate/up below), so with the side stream they run there,
-      // after the dense MLP, beside the padded GEMMs instead of between them.
+      // act and y lie past the padded ones (the f32 gate/up below has a buffer of its own), so with the side stream
+      // they run there, after the dense MLP, beside the padded GEMMs instead of between them.
       auto overflow_gate_up = [&](cudaStream_t st) {
         if (gathered) cuda::moe_gather(s_.sorted_pos, T, K, s_.xe, H, s_.xs, st, /*min_row=*/E * M);
         cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, st, s_.moe_meta, L.gu_packed);
       };
       auto overflow_down = [&](cudaStream_t st) {
-        cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, st, s_.moe_meta, L.dn_packed);
+        cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, y, st, s_.moe_meta, L.dn_packed);
       };
       if (overlap) {
         CUDA_CHECK(cudaEventRecord(grouped_, stream_));
@@ -1001,8 +1007,8 @@ class CudaBackend final : public Backend {
           overflow_down(side_);
         }
       }
-      // gate/up in f32 (in registers on the TMA path, else in y, free until the down GEMM): one bf16 rounding, of the
-      // activation, as the grouped kernels.
+      // gate/up in f32 (in registers on the TMA path, else in gu32): one bf16 rounding, of the activation, as the
+      // grouped kernels.
       // TMA path: both kernels are PDL-launched and stream weights before their griddepcontrol.wait. gate_up's
       // predecessor on stream_ is the router (masked), the gather or the assignment (the event record between them
       // only adds the side stream's edge); down's is gate_up (or the overflow gate_up without overlap), and its wait
@@ -1011,7 +1017,7 @@ class CudaBackend final : public Backend {
       const int* valid_rows = s_.moe_meta + 1 + E;  // rows of each expert's padded block
       if (fused_experts) {
         cuda::moe_experts_fused_tma_masked(L.exp_gu_map, L.exp_down_map, s_.xe, s_.expert_masks, T, E, H, Ie,
-                                           s_.acte, s_.y, stream_, plan);
+                                           s_.acte, y, stream_, plan);
       } else if (masked) {
         cuda::moe_gate_up_padded_tma_masked(L.exp_gu_map, s_.xe, s_.expert_masks, T, E, H, Ie, s_.acte, stream_,
                                             plan);
@@ -1021,17 +1027,18 @@ class CudaBackend final : public Backend {
       } else if (tma) {
         cuda::moe_gate_up_padded_tma(L.exp_gu_map, xs_map_, valid_rows, E, H, Ie, s_.acte, stream_, plan);
       } else {
-        gemm_->linear_batched(s_.xs, Dt::BF16, M, L.exp_gu, Dt::BF16, 2 * Ie, H, s_.y, Dt::F32, E, stream_);
-        cuda::moe_gelu_mul_padded(s_.y, E, M, Ie, s_.moe_meta, s_.acte, stream_);
+        gemm_->linear_batched(s_.xs, Dt::BF16, M, L.exp_gu, Dt::BF16, 2 * Ie, H, s_.gu32, Dt::F32, E, stream_);
+        cuda::moe_gelu_mul_padded(s_.gu32, E, M, Ie, s_.moe_meta, s_.acte, stream_);
       }
       if (!overlap) overflow_gate_up(stream_);
       mark(kStGateUp);
       if (down_tma && masked) {  // row counts from the masks: the assignment runs beside, on the side stream
-        cuda::moe_down_padded_tma_masked(L.exp_down_map, acte_map_, s_.expert_masks, T, E, H, Ie, s_.y, stream_, plan);
+        cuda::moe_down_padded_tma_masked(L.exp_down_map, acte_map_, s_.expert_masks, T, E, H, Ie, y, stream_, plan);
       } else if (down_tma) {
-        cuda::moe_down_padded_tma(L.exp_down_map, acte_map_, valid_rows, E, H, Ie, s_.y, stream_, plan);
+        cuda::moe_down_padded_tma(L.exp_down_map, acte_map_, valid_rows, E, H, Ie, y, stream_, plan);
       } else if (down_cublas) {
-        gemm_->linear_batched(s_.acte, Dt::BF16, M, L.exp_down, Dt::BF16, H, Ie, s_.y, Dt::F32, E, stream_);
+        gemm_->linear_batched(s_.acte, Dt::BF16, M, L.exp_down, Dt::BF16, H, Ie, y.p, y.is_bf16 ? Dt::BF16 : Dt::F32,
+                              E, stream_);
       }  // else fused_experts: down ran in gate_up's launch
       if (!overlap) overflow_down(stream_);
       mark(kStDown);
@@ -1040,7 +1047,7 @@ class CudaBackend final : public Backend {
       mark(kStGroup);
       cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, stream_, nullptr, L.gu_packed);
       mark(kStGateUp);
-      cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, s_.y, stream_, nullptr, L.dn_packed);
+      cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, y, stream_, nullptr, L.dn_packed);
       mark(kStDown);
     }
     if (overlap) {
@@ -1052,7 +1059,7 @@ class CudaBackend final : public Backend {
       if (padded && opt_.overflow_stream) CUDA_CHECK(cudaStreamWaitEvent(stream_, overflowed_));
     }
     const bool last = l + 1 == cfg_.num_layers;  // else the combine also writes the next layer's input norm to x
-    cuda::moe_combine_ffn(s_.y, s_.idx, s_.wk, s_.sorted_pos, T, K, s_.h, s_.m1, H, L.post_ff1, L.post_ff2,
+    cuda::moe_combine_ffn(y, s_.idx, s_.wk, s_.sorted_pos, T, K, s_.h, s_.m1, H, L.post_ff1, L.post_ff2,
                           L.post_ff, eps, pass == Pass::Encoder ? L.enc_scalar : L.dec_scalar, stream_,
                           last ? nullptr : layers_[size_t(l) + 1].input_norm, last ? nullptr : s_.x);
     mark(kStCombine);
@@ -1090,7 +1097,9 @@ class CudaBackend final : public Backend {
     // expert rows: T k grouped, or E M padded + Lc k overflow for canvas-sized passes (moe_group_padded)
     const size_t pad_rows = E * size_t(cuda::moe_padded_rows_per_expert(int(Lc), int(K), int(E))) + Lc * K;
     const size_t exp_rows = std::max(Tm * K, pad_rows);
-    s_.y = ar.take<float>(std::max(exp_rows * H, pad_rows * 2 * Ie));  // also the padded path's f32 gate/up
+    s_.y = ar.take<float>(exp_rows * H);
+    // Not in y's bytes: a bf16 y's overflow rows (past E M) would then overlap it when H < 4 Ie.
+    s_.gu32 = ar.take<float>(pad_rows * 2 * Ie);
     s_.sig = ar.take<float>(Lc * H);
     s_.logits = ar.take<float>(Lc * V);
     for (bf16** p : {&s_.x, &s_.x1, &s_.xe, &s_.a, &s_.m1}) *p = ar.take<bf16>(Tm * H);

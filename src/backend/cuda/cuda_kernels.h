@@ -284,6 +284,27 @@ struct ExpertsTimelineRecord {
 void experts_timeline_begin(size_t capacity);
 std::vector<ExpertsTimelineRecord> experts_timeline_end();
 
+// The experts' output rows y (the down projections, before the combine weighs and sums them): f32, or bf16 where
+// the engine asks for it (denoise passes: the expert launch writes, and the combine reads, half the bytes; HF's bf16
+// model rounds these rows to bf16 as well). Every kernel that writes y rounds the same f32 sum, so a bf16 y is
+// bitwise the bf16 rounding (to nearest even) of the f32 one. Converts from either pointer type.
+struct ExpertRows {
+  void* p = nullptr;
+  bool is_bf16 = false;
+  ExpertRows() = default;
+  ExpertRows(std::nullptr_t) {}                   // NOLINT(google-explicit-constructor)
+  ExpertRows(float* f) : p(f), is_bf16(false) {}  // NOLINT(google-explicit-constructor): a pointer by another name
+  ExpertRows(bf16* b) : p(b), is_bf16(true) {}    // NOLINT(google-explicit-constructor)
+};
+struct ExpertRowsIn {
+  const void* p = nullptr;
+  bool is_bf16 = false;
+  ExpertRowsIn() = default;
+  ExpertRowsIn(std::nullptr_t) {}                             // NOLINT(google-explicit-constructor)
+  ExpertRowsIn(const float* f) : p(f), is_bf16(false) {}  // NOLINT(google-explicit-constructor)
+  ExpertRowsIn(const bf16* b) : p(b), is_bf16(true) {}    // NOLINT(google-explicit-constructor)
+  ExpertRowsIn(ExpertRows y) : p(y.p), is_bf16(y.is_bf16) {}  // NOLINT(google-explicit-constructor)
+};
 struct TmaExpertsPlan {
   // > 0 (below the device's SM count): at most that many blocks, one per SM with an 8-stage ring, leaving the other
   // SMs to a concurrent stream (the dense MLP). 0: two blocks per SM.
@@ -344,12 +365,12 @@ void moe_gate_up_padded_tma_gathered(const TmaMap& w, const bf16* x, const int32
 // kernel before it: the assignment can run beside it.
 void moe_gate_up_padded_tma_masked(const TmaMap& w, const bf16* x, const unsigned* expert_masks, int T, int E, int H,
                                    int I, bf16* act, cudaStream_t s, const TmaExpertsPlan& plan = {});
-void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
+void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, ExpertRows y,
                          cudaStream_t s, const TmaExpertsPlan& plan = {});
 // The same with each expert's row count from router_top_k's expert_masks of T tokens (min(tokens of e, 32), the
 // count moe_assign_padded gives), so that it needs no assignment kernel before it.
 void moe_down_padded_tma_masked(const TmaMap& w, const TmaMap& act, const unsigned* expert_masks, int T, int E, int H,
-                                int I, float* y, cudaStream_t s, const TmaExpertsPlan& plan = {});
+                                int I, ExpertRows y, cudaStream_t s, const TmaExpertsPlan& plan = {});
 // gate_up (as moe_gate_up_padded_tma_masked) and down (as moe_down_padded_tma on its act) in one persistent launch:
 // the tiles of both come from one counter, gate_up's first, so blocks that run out of gate_up tiles go on to down
 // tiles instead of idling through gate_up's last round and the launch gap before a separate down GEMM. A down tile of
@@ -357,7 +378,7 @@ void moe_down_padded_tma_masked(const TmaMap& w, const TmaMap& act, const unsign
 // only after every gate_up tile, so the wait is short and cannot deadlock. Bitwise the same act and y as the two
 // kernels. plan.tile_counters: 2 + E zeroed unsigneds, left zeroed.
 void moe_experts_fused_tma_masked(const TmaMap& w_gate_up, const TmaMap& w_down, const bf16* x,
-                                  const unsigned* expert_masks, int T, int E, int H, int I, bf16* act, float* y,
+                                  const unsigned* expert_masks, int T, int E, int H, int I, bf16* act, ExpertRows y,
                                   cudaStream_t s, const TmaExpertsPlan& plan = {});
 // Test support (kernels_experts_tma.cu): a PDL-launched kernel that triggers its dependents at once, sleeps
 // delay_us, then copies src0 -> dst0 and src1 -> dst1 (bytes): a predecessor that writes its outputs late, so that a
@@ -366,20 +387,20 @@ void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const vo
                            int delay_us, cudaStream_t s);
 // Grouped expert GEMMs over rows grouped by expert (offsets [E+1], rows [0, P)):
 //   act[r, :] = gelu_tanh(xs[r] . Wgu[e, 0:I]^T) * (xs[r] . Wgu[e, I:2I]^T)     Wgu: [E, 2I, H]
-//   y[r, :] = act[r] . Wd[e]^T                                                 Wd:  [E, H, I]  (f32 out)
+//   y[r, :] = act[r] . Wd[e]^T                                                 Wd:  [E, H, I]  (f32 or bf16 out)
 // expert_list (may be null): only the experts meta[1 .. meta[0]] of moe_group_padded (its overflow rows), run by
 // a small fixed grid whatever their number, instead of one block column per expert.
 // packed: Wgu / Wd in the packed layouts of pack_expert_gate_up / pack_expert_down (bitwise the same results).
 void moe_gate_up(const bf16* xs, const int32_t* offsets, int E, int P, const bf16* Wgu, int H, int I, bf16* act,
                  cudaStream_t s, const int32_t* expert_list = nullptr, bool packed = false);
-void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16* Wd, int H, int I, float* y,
+void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16* Wd, int H, int I, ExpertRows y,
               cudaStream_t s, const int32_t* expert_list = nullptr, bool packed = false);
 // out[t] = sum over the token's k slots in ascending expert id of w[t, j] * y[sorted_pos[t*k + j]]   (f32)
-void moe_combine(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
+void moe_combine(ExpertRowsIn y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
                  float* out, cudaStream_t s);
 // moe_combine into m2, then ffn_combine(h, m1, m2, ...), in one kernel (m2 never reaches global memory).
 // x_next (may be null): also rms_norm_f32_to_bf16(h; w_next) of the new h, the next layer's input (same arithmetic).
-void moe_combine_ffn(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
+void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
                      float scalar, cudaStream_t s, const float* w_next = nullptr, bf16* x_next = nullptr);
 

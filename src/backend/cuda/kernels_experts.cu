@@ -58,7 +58,7 @@ template <bool GATED>
 // packed: W in the packed layout (expert_layout.h): a block's 128 weight rows x 64 k of a stage are then one packed
 // stage, read chunk by chunk at expert_packed_in_stage.
 __global__ void __launch_bounds__(kGemmThreads, 2) moe_tiled_k(const bf16* X, const int32_t* offsets, const bf16* W,
-                                                              int N, int K, bf16* act, float* y,
+                                                              int N, int K, bf16* act, void* y, bool y_bf16,
                                                               const int32_t* expert_list, bool packed) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
@@ -155,7 +155,12 @@ __global__ void __launch_bounds__(kGemmThreads, 2) moe_tiled_k(const bf16* X, co
       } else {
         for (int i = tid; i < m_valid * GN; i += kGemmThreads) {
           const int r = i / GN, c = i % GN;
-          if (n0 + c < N) y[size_t(m0 + r) * N + n0 + c] = Cs[r * LDC + c];
+          if (n0 + c >= N) continue;
+          const size_t o = size_t(m0 + r) * N + n0 + c;
+          if (y_bf16)  // ExpertRows
+            static_cast<bf16*>(y)[o] = __float2bfloat16(Cs[r * LDC + c]);
+          else
+            static_cast<float*>(y)[o] = Cs[r * LDC + c];
         }
       }
       __syncthreads();  // Cs is read before the next m-tile's loads overwrite it
@@ -193,8 +198,8 @@ struct StreamCfg {
 // column of their weight rows at once.
 template <bool GATED, int GNI, int SK, int S, bool ROT>
 __global__ void __launch_bounds__(kStreamThreads, 1)
-    moe_stream_k(const bf16* X, const int32_t* offsets, int E, const bf16* W, int N, int K, bf16* act, float* y,
-                 bool packed) {
+    moe_stream_k(const bf16* X, const int32_t* offsets, int E, const bf16* W, int N, int K, bf16* act, void* y,
+                 bool y_bf16, bool packed) {
   using C = StreamCfg<GNI, SK, S>;
   constexpr int LD = C::LD, NF = GNI / 32, NO = GATED ? GNI / 2 : GNI;  // NF: n8 fragments per warp
   extern __shared__ __align__(128) unsigned char smem[];
@@ -349,11 +354,23 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
             for (int j = 0; j < NF; ++j) {
               const int col = nt * NO + wn * NF * 8 + j * 8 + (lane & 3) * 2;
               const float v0 = acc[mi][j][2 * h], v1 = acc[mi][j][2 * h + 1];
-              if (col + 1 < N && (N & 1) == 0) {
-                *reinterpret_cast<float2*>(y + row * N + col) = make_float2(v0, v1);
+              const size_t o = row * N + col;
+              if (y_bf16) {  // ExpertRows
+                bf16* yb = static_cast<bf16*>(y);
+                if (col + 1 < N && (N & 1) == 0) {
+                  *reinterpret_cast<__nv_bfloat162*>(yb + o) = __floats2bfloat162_rn(v0, v1);
+                } else {
+                  if (col < N) yb[o] = __float2bfloat16(v0);
+                  if (col + 1 < N) yb[o + 1] = __float2bfloat16(v1);
+                }
               } else {
-                if (col < N) y[row * N + col] = v0;
-                if (col + 1 < N) y[row * N + col + 1] = v1;
+                float* yf = static_cast<float*>(y);
+                if (col + 1 < N && (N & 1) == 0) {
+                  *reinterpret_cast<float2*>(yf + o) = make_float2(v0, v1);
+                } else {
+                  if (col < N) yf[o] = v0;
+                  if (col + 1 < N) yf[o + 1] = v1;
+                }
               }
             }
           }
@@ -373,7 +390,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 // PERSIST: grid = resident blocks (at most one per item), each walking many items; otherwise one block per item
 // (what moe_gate_up / moe_down use).
 template <bool GATED, int GNI, int SK, int S, bool ROT, bool PERSIST = true>
-void launch_stream(const bf16* X, const int32_t* offsets, int E, const bf16* W, int N, int K, bf16* act, float* y,
+void launch_stream(const bf16* X, const int32_t* offsets, int E, const bf16* W, int N, int K, bf16* act, ExpertRows y,
                    cudaStream_t s, bool packed = false) {
   using C = StreamCfg<GNI, SK, S>;
   if (packed && (GNI != 128 || SK != 64))
@@ -391,7 +408,8 @@ void launch_stream(const bf16* X, const int32_t* offsets, int E, const bf16* W, 
   }
   const int items = E * ((N + (GATED ? GNI / 2 : GNI) - 1) / (GATED ? GNI / 2 : GNI));
   const int grid = PERSIST ? std::min(items, grid_per_sm * n_sm) : items;
-  moe_stream_k<GATED, GNI, SK, S, ROT><<<grid, kStreamThreads, smem, s>>>(X, offsets, E, W, N, K, act, y, packed);
+  moe_stream_k<GATED, GNI, SK, S, ROT><<<grid, kStreamThreads, smem, s>>>(X, offsets, E, W, N, K, act, y.p, y.is_bf16,
+                                                                                 packed);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -427,11 +445,11 @@ void moe_gate_up(const bf16* xs, const int32_t* offsets, int E, int P, const bf1
   const dim3 grid((I + GN / 2 - 1) / (GN / 2), expert_list ? std::min(E, kListBlocksY) : E);
   raise_smem_limit<true>();
   launch_pdl(moe_tiled_k<true>, dim3(grid), dim3(kGemmThreads), kMoeSmem, s, xs, offsets, Wgu, I, H, act, nullptr,
-             expert_list, packed);
+             false, expert_list, packed);
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16* Wd, int H, int I, float* y,
+void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16* Wd, int H, int I, ExpertRows y,
               cudaStream_t s, const int32_t* expert_list, bool packed) {
   if (P == 0) return;
   if (I % 8 != 0) throw_cuda_error("moe_down", "expert width must be a multiple of 8", 0, __FILE__, __LINE__);
@@ -444,8 +462,8 @@ void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16*
   }
   const dim3 grid((H + GN - 1) / GN, expert_list ? std::min(E, kListBlocksY) : E);
   raise_smem_limit<false>();
-  launch_pdl(moe_tiled_k<false>, dim3(grid), dim3(kGemmThreads), kMoeSmem, s, act, offsets, Wd, H, I, nullptr, y,
-             expert_list, packed);
+  launch_pdl(moe_tiled_k<false>, dim3(grid), dim3(kGemmThreads), kMoeSmem, s, act, offsets, Wd, H, I, nullptr, y.p,
+             y.is_bf16, expert_list, packed);
   CUDA_CHECK_LAUNCH();
 }
 

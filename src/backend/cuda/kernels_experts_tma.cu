@@ -104,7 +104,7 @@ __device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
 
 // GATED (gate_up): tmW = all experts' gate_up weights as [E * 2I, H], tile = 64 gate rows + the matching 64 up rows,
 // act[e 32 + t][I] = bf16(gelu(gate) * up). Else (down): tmW = [E * H, I], tile = 128 consecutive rows, y[e 32 + t][H]
-// (f32). tmX: the expert's padded token rows [E * 32, K], box {64, 32}. rows[e] = valid token rows of expert e (<= 32).
+// (f32, or bf16 with y_bf16: ExpertRows). tmX: the expert's padded token rows [E * 32, K], box {64, 32}. rows[e] = valid token rows of expert e (<= 32).
 // GATHER (gate_up only): the token rows come straight from xg [T, H] (slot_token[e 32 + t] = the token in slot t <
 // rows[e], moe_assign_padded) instead of a gathered copy through tmX: the whole producer warp loads them, lane t one
 // row of 128 bytes per stage (eight 16-byte cp.async into the 128-byte swizzled layout a TMA box would have written),
@@ -129,7 +129,8 @@ __device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
 template <bool GATED, int kStages, bool GATHER = false, bool FUSED = false, bool TL = false>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
-                  const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, float* __restrict__ y,
+                  const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, void* __restrict__ y,
+                  bool y_bf16,
                   int l2_prefetch_slices, int prewait_stages, const bf16* __restrict__ xg,
                   const int32_t* __restrict__ slot_token,
                   unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
@@ -559,8 +560,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (GATED && !down) {
             act[row * I + nt * 64 + r] = __float2bfloat16(gelu_tanh(d0[idx]) * d1[idx]);
           } else {
-            y[row * H + nt * 128 + r] = d0[idx];
-            y[row * H + nt * 128 + 64 + r] = d1[idx];
+            const size_t o = row * H + nt * 128 + r;
+            if (y_bf16) {  // ExpertRows
+              static_cast<bf16*>(y)[o] = __float2bfloat16(d0[idx]);
+              static_cast<bf16*>(y)[o + 64] = __float2bfloat16(d1[idx]);
+            } else {
+              static_cast<float*>(y)[o] = d0[idx];
+              static_cast<float*>(y)[o + 64] = d1[idx];
+            }
           }
         }
     if (FUSED && !down && cnt > 0) {  // release this warp's act stores to the down tiles' producers
@@ -651,7 +658,7 @@ int shared_sm_grid(const TmaExpertsPlan& plan, int tiles) {
 
 template <bool GATED, bool GATHER, bool FUSED = false>
 void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, int E, int H, int I, bf16* act,
-                        float* y, const TmaExpertsPlan& plan, cudaStream_t s, const bf16* xg = nullptr,
+                        ExpertRows y, const TmaExpertsPlan& plan, cudaStream_t s, const bf16* xg = nullptr,
                         const int32_t* slot_token = nullptr, const unsigned* masks = nullptr, int mask_words = 0) {
   const int tiles = E * (GATED ? I / 64 : H / 128);
   if (tiles == 0) return;
@@ -667,7 +674,7 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
     const int stride = std::max(plan.first_tile_stride, 1);
     const int first_stride = std::gcd(stride, grid) == 1 ? stride : 1;  // a permutation of [0, grid) or none
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
-               act, y, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks,
+               act, y.p, y.is_bf16, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks,
                mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr,
                plan.claim_ahead, first_stride);
   };
@@ -741,13 +748,13 @@ void moe_gate_up_padded_tma_masked(const TmaMap& w, const bf16* x, const unsigne
                                  (T + 31) / 32);
 }
 
-void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, float* y,
+void moe_down_padded_tma(const TmaMap& w, const TmaMap& act, const int32_t* rows, int E, int H, int I, ExpertRows y,
                          cudaStream_t s, const TmaExpertsPlan& plan) {
   launch_experts_tma<false, false>(w, act, rows, E, H, I, nullptr, y, plan, s);
 }
 
 void moe_down_padded_tma_masked(const TmaMap& w, const TmaMap& act, const unsigned* expert_masks, int T, int E, int H,
-                                int I, float* y, cudaStream_t s, const TmaExpertsPlan& plan) {
+                                int I, ExpertRows y, cudaStream_t s, const TmaExpertsPlan& plan) {
   if (T < 1 || T > 32 * 32)
     throw_cuda_error("moe_down_padded_tma_masked", "needs 1 <= T <= 1024", 0, __FILE__, __LINE__);
   launch_experts_tma<false, false>(w, act, nullptr, E, H, I, nullptr, y, plan, s, nullptr, nullptr, expert_masks,
@@ -755,7 +762,7 @@ void moe_down_padded_tma_masked(const TmaMap& w, const TmaMap& act, const unsign
 }
 
 void moe_experts_fused_tma_masked(const TmaMap& w_gate_up, const TmaMap& w_down, const bf16* x,
-                                  const unsigned* expert_masks, int T, int E, int H, int I, bf16* act, float* y,
+                                  const unsigned* expert_masks, int T, int E, int H, int I, bf16* act, ExpertRows y,
                                   cudaStream_t s, const TmaExpertsPlan& plan) {
   if ((reinterpret_cast<uintptr_t>(x) & 15) != 0 || (reinterpret_cast<uintptr_t>(act) & 15) != 0 || H % 8 != 0 ||
       T < 1 || T > 32 * 32)

@@ -502,8 +502,13 @@ __global__ void moe_gather_k(const int32_t* sorted_pos, int k, const uint4* x, i
   for (int i = threadIdx.x; i < hvec; i += blockDim.x) xs[dst + i] = x[size_t(t) * hvec + i];
 }
 
-__global__ void moe_combine_k(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k,
-                              int H, float* out) {
+// Element i of the experts' rows (ExpertRows: f32 or bf16).
+__device__ __forceinline__ float expert_row_at(const void* y, bool y_bf16, size_t i) {
+  return y_bf16 ? __bfloat162float(static_cast<const bf16*>(y)[i]) : static_cast<const float*>(y)[i];
+}
+
+__global__ void moe_combine_k(const void* y, bool y_bf16, const int32_t* idx, const float* w,
+                              const int32_t* sorted_pos, int k, int H, float* out) {
   const int t = blockIdx.x;
   int order[kMaxTopK];
   for (int j = 0; j < k; ++j) order[j] = j;
@@ -517,7 +522,7 @@ __global__ void moe_combine_k(const float* y, const int32_t* idx, const float* w
     float acc = 0;
     for (int j = 0; j < k; ++j) {
       const int s = t * k + order[j];
-      acc += w[s] * y[size_t(sorted_pos[s]) * H + h];
+      acc += w[s] * expert_row_at(y, y_bf16, size_t(sorted_pos[s]) * H + h);
     }
     out[size_t(t) * H + h] = acc;
   }
@@ -540,8 +545,8 @@ __device__ void combine_sources(const int32_t* idx, const float* w, const int32_
 
 // moe_combine_k and ffn_combine_k (kernels_rows.cu) in one pass per token: the combined expert row m2 stays in shared
 // memory instead of a [T, H] f32 round trip through global memory and a second launch. Same arithmetic and order.
-__global__ void moe_combine_ffn_k(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k,
-                                  float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* wn,
+__global__ void moe_combine_ffn_k(const void* y, bool y_bf16, const int32_t* idx, const float* w,
+                                  const int32_t* sorted_pos, int k, float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* wn,
                                   float eps, float scalar) {
   extern __shared__ float row[];  // [H]: m2, then the pre-norm sum
   __shared__ int src_row[kMaxTopK];
@@ -553,7 +558,7 @@ __global__ void moe_combine_ffn_k(const float* y, const int32_t* idx, const floa
   float s1 = 0, s2 = 0;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
     float acc = 0;
-    for (int j = 0; j < k; ++j) acc += src_w[j] * y[size_t(src_row[j]) * H + i];
+    for (int j = 0; j < k; ++j) acc += src_w[j] * expert_row_at(y, y_bf16, size_t(src_row[j]) * H + i);
     row[i] = acc;
     const float a = __bfloat162float(m1[off + i]);
     s1 += a * a;
@@ -579,9 +584,10 @@ __global__ void moe_combine_ffn_k(const float* y, const int32_t* idx, const floa
 // and ranks them with shuffles (thread 0 loading and sorting them alone took two dependent round trips). Holding the
 // norm weights in registers from before griddepcontrol.wait (13.1 us: 76 registers, one block an SM) or staging them
 // and h / m1 in shared memory by cp.async (14-15 us in the step, 20.2 alone) were slower (session 11).
-template <int NV, int KMAX, int kCombineThreads>
+// YB: the experts' rows in bf16 (ExpertRows), four of them an 8-byte load.
+template <int NV, int KMAX, int kCombineThreads, bool YB>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
-    const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
+    const void* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
     int H, const float* w1, const float* w2, const float* wn, float eps, float scalar, const float* w_next,
     bf16* x_next) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
@@ -613,9 +619,24 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     float4 acc = make_float4(0, 0, 0, 0), a = acc;
     if (c < H4) {
       float4 ys[KMAX];
+      if constexpr (YB) {  // every load of the token in flight before any conversion
+        uint2 yb[KMAX];
 #pragma unroll
-      for (int j = 0; j < KMAX; ++j)
-        if (j < k) ys[j] = reinterpret_cast<const float4*>(y + size_t(src_row[j]) * H)[c];
+        for (int j = 0; j < KMAX; ++j)
+          if (j < k) yb[j] = reinterpret_cast<const uint2*>(static_cast<const bf16*>(y) + size_t(src_row[j]) * H)[c];
+#pragma unroll
+        for (int j = 0; j < KMAX; ++j)
+          if (j < k) {
+            const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&yb[j].x));
+            const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&yb[j].y));
+            ys[j] = make_float4(lo.x, lo.y, hi.x, hi.y);
+          }
+      } else {
+#pragma unroll
+        for (int j = 0; j < KMAX; ++j)
+          if (j < k)
+            ys[j] = reinterpret_cast<const float4*>(static_cast<const float*>(y) + size_t(src_row[j]) * H)[c];
+      }
 #pragma unroll
       for (int j = 0; j < KMAX; ++j)
         if (j < k) {
@@ -789,28 +810,31 @@ void moe_gelu_mul_padded(const float* gu, int E, int M, int I, const int32_t* me
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_combine(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
+void moe_combine(ExpertRowsIn y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
                  float* out, cudaStream_t s) {
   if (T == 0) return;
-  moe_combine_k<<<T, 256, 0, s>>>(y, idx, w, sorted_pos, k, H, out);
+  moe_combine_k<<<T, 256, 0, s>>>(y.p, y.is_bf16, idx, w, sorted_pos, k, H, out);
   CUDA_CHECK_LAUNCH();
 }
 
-void moe_combine_ffn(const float* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
+void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
                      float scalar, cudaStream_t s, const float* w_next, bf16* x_next) {
   if (T == 0) return;
   if (k > kMaxTopK) throw_cuda_error("moe_combine_ffn", "top-k above 32", 0, __FILE__, __LINE__);
   if (x_next && !w_next) throw_cuda_error("moe_combine_ffn", "x_next needs w_next", 0, __FILE__, __LINE__);
   if (k <= 8 && H % 4 == 0 && H / 4 <= 1024) {
-    auto* kern = H / 4 <= 768 ? moe_combine_ffn_vec_k<1, 8, 768> : moe_combine_ffn_vec_k<1, 8, 1024>;
-    launch_pdl(kern, dim3(T), dim3(H / 4 <= 768 ? 768 : 1024), 0, s, y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
+    const bool narrow = H / 4 <= 768;
+    auto* kern = y.is_bf16 ? (narrow ? moe_combine_ffn_vec_k<1, 8, 768, true> : moe_combine_ffn_vec_k<1, 8, 1024, true>)
+                 : narrow  ? moe_combine_ffn_vec_k<1, 8, 768, false>
+                           : moe_combine_ffn_vec_k<1, 8, 1024, false>;
+    launch_pdl(kern, dim3(T), dim3(H / 4 <= 768 ? 768 : 1024), 0, s, y.p, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
                eps, scalar, w_next, x_next);
     CUDA_CHECK_LAUNCH();
     return;
   }
-  moe_combine_ffn_k<<<T, 256, size_t(H) * sizeof(float), s>>>(y, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
-                                                               eps, scalar);
+  moe_combine_ffn_k<<<T, 256, size_t(H) * sizeof(float), s>>>(y.p, y.is_bf16, idx, w, sorted_pos, k, h, m1, H, w1,
+                                                               w2, w_post, eps, scalar);
   CUDA_CHECK_LAUNCH();
   if (x_next) rms_norm_f32_to_bf16(h, T, H, w_next, eps, x_next, s);
 }

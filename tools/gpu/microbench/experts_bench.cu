@@ -85,13 +85,13 @@ struct Variant {
 void old_gu(const bf16* xs, const int32_t* off, int E, int, const bf16* W, int H, int I, bf16* act) {
   dim3 grid((I + GN / 2 - 1) / (GN / 2), E);
   raise_smem_limit<true>();
-  moe_tiled_k<true><<<grid, kGemmThreads, kMoeSmem>>>(xs, off, W, I, H, act, nullptr, nullptr, false);
+  moe_tiled_k<true><<<grid, kGemmThreads, kMoeSmem>>>(xs, off, W, I, H, act, nullptr, false, nullptr, false);
   CUDA_CHECK_LAUNCH();
 }
 void old_dn(const bf16* a, const int32_t* off, int E, int, const bf16* W, int H, int I, float* y) {
   dim3 grid((H + GN - 1) / GN, E);
   raise_smem_limit<false>();
-  moe_tiled_k<false><<<grid, kGemmThreads, kMoeSmem>>>(a, off, W, H, I, nullptr, y, nullptr, false);
+  moe_tiled_k<false><<<grid, kGemmThreads, kMoeSmem>>>(a, off, W, H, I, nullptr, y, false, nullptr, false);
   CUDA_CHECK_LAUNCH();
 }
 template <int GNI, int SK, int S, bool ROT, bool PERSIST = true>
