@@ -1026,6 +1026,7 @@ struct WsKvMaps {
 struct KeyRuns {
   int64_t start_a, len_a, len_b, tiles_a, tiles_b, tiles;
 };
+#if defined(DG_ATTN_WGMMA)  // attention_ws_k's helpers: the other architectures' passes compile its body out
 __device__ __forceinline__ KeyRuns key_runs(const AttentionArgs& a, int64_t fp_mod) {
   KeyRuns r;
   r.start_a = fp_mod;
@@ -1048,6 +1049,7 @@ __device__ __forceinline__ RunTile run_tile(const KeyRuns& r, const AttentionArg
   t -= r.tiles_b;
   return {false, 64 * t, int(min(int64_t(64), a.T_new - 64 * t))};
 }
+#endif
 
 template <int D, int NK, bool SW, bool TMA = false>
 __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a, Split sp,
