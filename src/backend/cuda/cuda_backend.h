@@ -94,8 +94,8 @@ struct CudaOptions {
   // Denoise passes keep the experts' output rows (the down projections the combine weighs and sums) in bf16 instead
   // of f32 (cuda::ExpertRows): the expert launch writes, and the combine reads, half the bytes. HF's bf16 model rounds
   // these rows to bf16 too; encoder passes (prefill, commit) keep f32, so the KV cache they write is unchanged. H200,
-  // same call (docs/BENCHMARKS.md, session 15): 4K step 15.24-15.25 against 15.39-15.44 ms. A/B: bench
-  // --f32-expert-rows.
+  // same call (docs/BENCHMARKS.md, session 15): 4K step 15.46-15.53 against 15.67-15.74 ms, 15.60 against 15.76 in
+  // the final call. A/B: bench --f32-expert-rows.
   bool bf16_expert_rows = true;
   // With overlap_dense_mlp and the masked gate_up: the side stream's assignment (moe_assign_padded) as one block of
   // 256 threads instead of 1024, so that it fits beside the expert kernel's blocks (their registers leave ~23K an SM)
