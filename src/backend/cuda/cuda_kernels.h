@@ -300,7 +300,6 @@ struct ExpertRowsIn {
   const void* p = nullptr;
   bool is_bf16 = false;
   ExpertRowsIn() = default;
-  ExpertRowsIn(std::nullptr_t) {}                             // NOLINT(google-explicit-constructor)
   ExpertRowsIn(const float* f) : p(f), is_bf16(false) {}  // NOLINT(google-explicit-constructor)
   ExpertRowsIn(const bf16* b) : p(b), is_bf16(true) {}    // NOLINT(google-explicit-constructor)
   ExpertRowsIn(ExpertRows y) : p(y.p), is_bf16(y.is_bf16) {}  // NOLINT(google-explicit-constructor)

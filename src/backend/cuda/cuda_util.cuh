@@ -87,4 +87,22 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// The experts' output rows (cuda::ExpertRows): element i as f32, or rounded to bf16 (to nearest even) when bf16_rows.
+__device__ __forceinline__ void store_expert_row(void* y, bool bf16_rows, size_t i, float v) {
+  if (bf16_rows)
+    static_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16(v);
+  else
+    static_cast<float*>(y)[i] = v;
+}
+// Elements i and i + 1 in one store (i even).
+__device__ __forceinline__ void store_expert_row_pair(void* y, bool bf16_rows, size_t i, float v0, float v1) {
+  if (bf16_rows)
+    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(y) + i) = __floats2bfloat162_rn(v0, v1);
+  else
+    *reinterpret_cast<float2*>(static_cast<float*>(y) + i) = make_float2(v0, v1);
+}
+__device__ __forceinline__ float load_expert_row(const void* y, bool bf16_rows, size_t i) {
+  return bf16_rows ? __bfloat162float(static_cast<const __nv_bfloat16*>(y)[i]) : static_cast<const float*>(y)[i];
+}
+
 }  // namespace dg::cuda

@@ -155,12 +155,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) moe_tiled_k(const bf16* X, co
       } else {
         for (int i = tid; i < m_valid * GN; i += kGemmThreads) {
           const int r = i / GN, c = i % GN;
-          if (n0 + c >= N) continue;
-          const size_t o = size_t(m0 + r) * N + n0 + c;
-          if (y_bf16)  // ExpertRows
-            static_cast<bf16*>(y)[o] = __float2bfloat16(Cs[r * LDC + c]);
-          else
-            static_cast<float*>(y)[o] = Cs[r * LDC + c];
+          if (n0 + c < N) store_expert_row(y, y_bf16, size_t(m0 + r) * N + n0 + c, Cs[r * LDC + c]);
         }
       }
       __syncthreads();  // Cs is read before the next m-tile's loads overwrite it
@@ -355,22 +350,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
               const int col = nt * NO + wn * NF * 8 + j * 8 + (lane & 3) * 2;
               const float v0 = acc[mi][j][2 * h], v1 = acc[mi][j][2 * h + 1];
               const size_t o = row * N + col;
-              if (y_bf16) {  // ExpertRows
-                bf16* yb = static_cast<bf16*>(y);
-                if (col + 1 < N && (N & 1) == 0) {
-                  *reinterpret_cast<__nv_bfloat162*>(yb + o) = __floats2bfloat162_rn(v0, v1);
-                } else {
-                  if (col < N) yb[o] = __float2bfloat16(v0);
-                  if (col + 1 < N) yb[o + 1] = __float2bfloat16(v1);
-                }
+              if (col + 1 < N && (N & 1) == 0) {
+                store_expert_row_pair(y, y_bf16, o, v0, v1);
               } else {
-                float* yf = static_cast<float*>(y);
-                if (col + 1 < N && (N & 1) == 0) {
-                  *reinterpret_cast<float2*>(yf + o) = make_float2(v0, v1);
-                } else {
-                  if (col < N) yf[o] = v0;
-                  if (col + 1 < N) yf[o + 1] = v1;
-                }
+                if (col < N) store_expert_row(y, y_bf16, o, v0);
+                if (col + 1 < N) store_expert_row(y, y_bf16, o + 1, v1);
               }
             }
           }
@@ -408,8 +392,8 @@ void launch_stream(const bf16* X, const int32_t* offsets, int E, const bf16* W, 
   }
   const int items = E * ((N + (GATED ? GNI / 2 : GNI) - 1) / (GATED ? GNI / 2 : GNI));
   const int grid = PERSIST ? std::min(items, grid_per_sm * n_sm) : items;
-  moe_stream_k<GATED, GNI, SK, S, ROT><<<grid, kStreamThreads, smem, s>>>(X, offsets, E, W, N, K, act, y.p, y.is_bf16,
-                                                                                 packed);
+  moe_stream_k<GATED, GNI, SK, S, ROT>
+      <<<grid, kStreamThreads, smem, s>>>(X, offsets, E, W, N, K, act, y.p, y.is_bf16, packed);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -104,7 +104,8 @@ __device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
 
 // GATED (gate_up): tmW = all experts' gate_up weights as [E * 2I, H], tile = 64 gate rows + the matching 64 up rows,
 // act[e 32 + t][I] = bf16(gelu(gate) * up). Else (down): tmW = [E * H, I], tile = 128 consecutive rows, y[e 32 + t][H]
-// (f32, or bf16 with y_bf16: ExpertRows). tmX: the expert's padded token rows [E * 32, K], box {64, 32}. rows[e] = valid token rows of expert e (<= 32).
+// (f32, or bf16 with y_bf16: ExpertRows). tmX: the expert's padded token rows [E * 32, K], box {64, 32}. rows[e] =
+// valid token rows of expert e (<= 32).
 // GATHER (gate_up only): the token rows come straight from xg [T, H] (slot_token[e 32 + t] = the token in slot t <
 // rows[e], moe_assign_padded) instead of a gathered copy through tmX: the whole producer warp loads them, lane t one
 // row of 128 bytes per stage (eight 16-byte cp.async into the 128-byte swizzled layout a TMA box would have written),
@@ -560,14 +561,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (GATED && !down) {
             act[row * I + nt * 64 + r] = __float2bfloat16(gelu_tanh(d0[idx]) * d1[idx]);
           } else {
-            const size_t o = row * H + nt * 128 + r;
-            if (y_bf16) {  // ExpertRows
-              static_cast<bf16*>(y)[o] = __float2bfloat16(d0[idx]);
-              static_cast<bf16*>(y)[o + 64] = __float2bfloat16(d1[idx]);
-            } else {
-              static_cast<float*>(y)[o] = d0[idx];
-              static_cast<float*>(y)[o + 64] = d1[idx];
-            }
+            store_expert_row(y, y_bf16, row * H + nt * 128 + r, d0[idx]);
+            store_expert_row(y, y_bf16, row * H + nt * 128 + 64 + r, d1[idx]);
           }
         }
     if (FUSED && !down && cnt > 0) {  // release this warp's act stores to the down tiles' producers
@@ -674,8 +669,8 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
     const int stride = std::max(plan.first_tile_stride, 1);
     const int first_stride = std::gcd(stride, grid) == 1 ? stride : 1;  // a permutation of [0, grid) or none
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
-               act, y.p, y.is_bf16, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr, masks,
-               mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr,
+               act, y.p, y.is_bf16, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr,
+               masks, mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr,
                plan.claim_ahead, first_stride);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {

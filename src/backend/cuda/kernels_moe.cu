@@ -502,11 +502,6 @@ __global__ void moe_gather_k(const int32_t* sorted_pos, int k, const uint4* x, i
   for (int i = threadIdx.x; i < hvec; i += blockDim.x) xs[dst + i] = x[size_t(t) * hvec + i];
 }
 
-// Element i of the experts' rows (ExpertRows: f32 or bf16).
-__device__ __forceinline__ float expert_row_at(const void* y, bool y_bf16, size_t i) {
-  return y_bf16 ? __bfloat162float(static_cast<const bf16*>(y)[i]) : static_cast<const float*>(y)[i];
-}
-
 __global__ void moe_combine_k(const void* y, bool y_bf16, const int32_t* idx, const float* w,
                               const int32_t* sorted_pos, int k, int H, float* out) {
   const int t = blockIdx.x;
@@ -522,7 +517,7 @@ __global__ void moe_combine_k(const void* y, bool y_bf16, const int32_t* idx, co
     float acc = 0;
     for (int j = 0; j < k; ++j) {
       const int s = t * k + order[j];
-      acc += w[s] * expert_row_at(y, y_bf16, size_t(sorted_pos[s]) * H + h);
+      acc += w[s] * load_expert_row(y, y_bf16, size_t(sorted_pos[s]) * H + h);
     }
     out[size_t(t) * H + h] = acc;
   }
@@ -546,8 +541,8 @@ __device__ void combine_sources(const int32_t* idx, const float* w, const int32_
 // moe_combine_k and ffn_combine_k (kernels_rows.cu) in one pass per token: the combined expert row m2 stays in shared
 // memory instead of a [T, H] f32 round trip through global memory and a second launch. Same arithmetic and order.
 __global__ void moe_combine_ffn_k(const void* y, bool y_bf16, const int32_t* idx, const float* w,
-                                  const int32_t* sorted_pos, int k, float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* wn,
-                                  float eps, float scalar) {
+                                  const int32_t* sorted_pos, int k, float* h, const bf16* m1, int H, const float* w1,
+                                  const float* w2, const float* wn, float eps, float scalar) {
   extern __shared__ float row[];  // [H]: m2, then the pre-norm sum
   __shared__ int src_row[kMaxTopK];
   __shared__ float src_w[kMaxTopK];
@@ -558,7 +553,7 @@ __global__ void moe_combine_ffn_k(const void* y, bool y_bf16, const int32_t* idx
   float s1 = 0, s2 = 0;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
     float acc = 0;
-    for (int j = 0; j < k; ++j) acc += src_w[j] * expert_row_at(y, y_bf16, size_t(src_row[j]) * H + i);
+    for (int j = 0; j < k; ++j) acc += src_w[j] * load_expert_row(y, y_bf16, size_t(src_row[j]) * H + i);
     row[i] = acc;
     const float a = __bfloat162float(m1[off + i]);
     s1 += a * a;
@@ -828,7 +823,7 @@ void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const i
     auto* kern = y.is_bf16 ? (narrow ? moe_combine_ffn_vec_k<1, 8, 768, true> : moe_combine_ffn_vec_k<1, 8, 1024, true>)
                  : narrow  ? moe_combine_ffn_vec_k<1, 8, 768, false>
                            : moe_combine_ffn_vec_k<1, 8, 1024, false>;
-    launch_pdl(kern, dim3(T), dim3(H / 4 <= 768 ? 768 : 1024), 0, s, y.p, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
+    launch_pdl(kern, dim3(T), dim3(narrow ? 768 : 1024), 0, s, y.p, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
                eps, scalar, w_next, x_next);
     CUDA_CHECK_LAUNCH();
     return;
