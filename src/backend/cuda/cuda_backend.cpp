@@ -413,7 +413,8 @@ class CudaBackend final : public Backend {
     gemm_side_ = std::make_unique<cuda::Gemm>(size_t(64) << 20, opt_.dense_mlp_sms);
     // The dense down GEMM queued last (dense_down_last) starts as the expert kernel drains, alone on the GPU: planned
     // for every SM (CudaOptions::dense_down_all_sms), with a workspace of its own (it is on the side stream).
-    if (opt_.dense_down_all_sms) gemm_tail_ = std::make_unique<cuda::Gemm>(size_t(16) << 20);
+    if (opt_.overlap_dense_mlp && opt_.dense_down_last && opt_.dense_down_all_sms)
+      gemm_tail_ = std::make_unique<cuda::Gemm>(size_t(16) << 20);
     // Mapped: a whole-step graph reads the ids and writes the row statistics there from its kernels (no memcpy nodes).
     CUDA_CHECK(cudaHostAlloc(&host_ids_, size_t(tm_) * sizeof(int32_t), cudaHostAllocMapped));
     CUDA_CHECK(cudaHostAlloc(&host_stats_, size_t(cfg_.canvas_length) * sizeof(cuda::DeviceRowStats),
