@@ -291,7 +291,11 @@ TEST(CudaKernels, GeluMul) {
 void check_qkv(int T, int nh, int nkv, int D, bool v_from_k, RopeParams rp, int64_t pos0) {
   const float eps = 1e-6f;
   const int width = (nh + (v_from_k ? 1 : 2) * nkv) * D;
-  auto qkv = rnd(size_t(T) * width, -2, 2), qw = rnd(D, 0.5f, 1.5f), kw = rnd(D, 0.5f, 1.5f);
+  // qkv as the in-order f32 sum of three split-K partials (dense_tma_splitk's output), rounded to bf16
+  constexpr int kSplits = 3;
+  auto part = rnd(size_t(kSplits) * T * width, -1, 1), qw = rnd(D, 0.5f, 1.5f), kw = rnd(D, 0.5f, 1.5f);
+  std::vector<float> qkv(size_t(T) * width);
+  for (size_t i = 0; i < qkv.size(); ++i) qkv[i] = part[i] + part[qkv.size() + i] + part[2 * qkv.size() + i];
   Dev<bf16> dqkv(qkv.size()), q(size_t(T) * nh * D), k(size_t(T) * nkv * D), v(size_t(T) * nkv * D);
   dqkv.put(to_bf16(qkv));
   std::vector<float> inv(size_t(D / 2), 0.0f);
@@ -299,6 +303,18 @@ void check_qkv(int T, int nh, int nkv, int D, bool v_from_k, RopeParams rp, int6
   Dev<float> dqw(D), dkw(D), dinv(inv.size());
   dqw.put(qw), dkw.put(kw), dinv.put(inv);
   qkv_norm_rope(dqkv.p, T, nh, nkv, D, v_from_k, dqw.p, dkw.p, dinv.p, pos0, eps, q.p, k.p, v.p, nullptr);
+  // The same from the partials: the same bits (D 256 / 512 read them in the kernel, other D sum them into qkv first).
+  {
+    Dev<float> dpart(part.size());
+    Dev<bf16> qkv2(qkv.size()), q2(q.n), k2(k.n), v2(v.n);
+    dpart.put(part);
+    qkv_norm_rope(qkv2.p, T, nh, nkv, D, v_from_k, dqw.p, dkw.p, dinv.p, pos0, eps, q2.p, k2.p, v2.p, nullptr,
+                  dpart.p, kSplits);
+    for (auto [a, b] : {std::pair{&q, &q2}, std::pair{&k, &k2}, std::pair{&v, &v2}}) {
+      const auto x = a->get(), y = b->get();
+      EXPECT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * sizeof(bf16))) << "from split-K partials, D " << D;
+    }
+  }
   std::vector<float> eq(q.n), ek(k.n), ev(v.n);
   std::vector<int64_t> pos(static_cast<size_t>(T));
   std::iota(pos.begin(), pos.end(), pos0);
@@ -704,6 +720,69 @@ TEST(CudaKernels, MoeCombineFfn) {
   }
 }
 
+// dense_tma_splitk (kernels_dense_tma.cu) against a double-precision CPU product on awkward T (a partial token box,
+// a cluster's second half entirely past T), K not a multiple of the ring, every split count up to one k slice a
+// split, clusters of 1 and 2: the partial sums added in order within f32 round-off of the product; every
+// launch bitwise the same as the first of its split count (clusters change no sum); dense_splits_to_bf16 bitwise
+// bf16(the in-order sum).
+TEST(CudaKernels, DenseTmaSplitK) {
+  REQUIRE_GPU();
+  if (!dense_tma_supported(256, 256, 64)) GTEST_SKIP() << "dense_tma_splitk needs an sm_90 GPU (sm_90a image)";
+  struct Shape {
+    int T, N, K;
+  };
+  for (const Shape sh : {Shape{1, 256, 64}, Shape{37, 512, 320}, Shape{129, 256, 1472}, Shape{256, 768, 2816}}) {
+    const auto [T, N, K] = sh;
+    auto x = rnd(size_t(T) * K), w = rnd(size_t(N) * K);
+    const auto xb = to_bf16(x), wb = to_bf16(w);
+    std::vector<float> want(size_t(T) * N);
+    for (int t = 0; t < T; ++t)
+      for (int n = 0; n < N; ++n) {
+        double acc = 0;
+        for (int k = 0; k < K; ++k) acc += double(x[size_t(t) * K + k]) * w[size_t(n) * K + k];
+        want[size_t(t) * N + n] = float(acc);
+      }
+    Dev<bf16> dx(xb.size()), dw(wb.size()), out(size_t(T) * N);
+    dx.put(xb), dw.put(wb);
+    const TmaMap mw = dense_tma_weight_map(dw.p, N, K);
+    for (const int splits : {1, 2, 3, 6, K / 64}) {
+      if (splits > K / 64) continue;
+      std::vector<float> first;
+      for (const int cluster : {1, 2, 1}) {
+        const std::string what = "T " + std::to_string(T) + " N " + std::to_string(N) + " K " + std::to_string(K) +
+                                 " splits " + std::to_string(splits) + " cluster " + std::to_string(cluster);
+        Dev<float> part(size_t(splits) * T * N);
+        dense_tma_splitk(mw, dense_tma_token_map(dx.p, T, K, cluster), T, N, K, splits, cluster, part.p, nullptr);
+        const auto p = part.get();
+        if (first.empty()) {
+          first = p;
+        } else {
+          EXPECT_EQ(0, std::memcmp(first.data(), p.data(), p.size() * sizeof(float))) << what;
+        }
+        std::vector<float> sum(size_t(T) * N);
+        for (size_t i = 0; i < sum.size(); ++i) {
+          float v = p[i];
+          for (int s = 1; s < splits; ++s) v += p[size_t(s) * sum.size() + i];
+          sum[i] = v;
+        }
+        EXPECT_LE(rel_err(sum, want), 2e-6) << what;
+        dense_splits_to_bf16(part.p, splits, T, N, out.p, nullptr);
+        const auto ob = out.get();
+        size_t bad = 0;
+        for (size_t i = 0; i < sum.size(); ++i) {
+          uint16_t got;
+          std::memcpy(&got, &ob[i], 2);
+          bad += got != f32_to_bf16(sum[i]);
+        }
+        EXPECT_EQ(bad, 0u) << what << ": dense_splits_to_bf16";
+      }
+    }
+  }
+  EXPECT_THROW(dense_tma_splitk(TmaMap{}, TmaMap{}, 257, 256, 64, 1, 1, nullptr, nullptr), std::exception);
+  EXPECT_THROW(dense_tma_splitk(TmaMap{}, TmaMap{}, 16, 384, 64, 1, 1, nullptr, nullptr), std::exception);
+  EXPECT_THROW(dense_tma_splitk(TmaMap{}, TmaMap{}, 16, 256, 128, 3, 1, nullptr, nullptr), std::exception);
+}
+
 // add_rms_norm_pre_ffn = add_rms_norm then pre_ffn (vector rows fused, others the two launches): compared with the
 // two launches and with the CPU oracle.
 TEST(CudaKernels, AddRmsNormPreFfn) {
@@ -717,6 +796,24 @@ TEST(CudaKernels, AddRmsNormPreFfn) {
       Dev<bf16> da(a.size()), x1(h.size()), xe(h.size()), x1b(h.size()), xeb(h.size());
       dh.put(h), dh2.put(h), da.put(to_bf16(a)), dwp.put(wp), dw1.put(w1), dw2.put(w2), drs.put(rs);
       add_rms_norm_pre_ffn(dh.p, da.p, rows, n, dwp.p, dw1.p, dw2.p, drs.p, eps, x1.p, xe.p, xr.p, nullptr);
+      {  // a given as two split-K partials whose in-order f32 sum rounds to a's bf16 values: the same bits
+        std::vector<float> ab = a;
+        to_bf16(ab);
+        std::vector<float> part(2 * ab.size());
+        for (size_t i = 0; i < ab.size(); ++i) part[i] = ab[i] * 0.75f, part[ab.size() + i] = ab[i] - part[i];
+        for (size_t i = 0; i < ab.size(); ++i) ASSERT_EQ(part[i] + part[ab.size() + i], ab[i]);
+        Dev<float> dh3(h.size()), xr3(h.size()), dpart(part.size());
+        Dev<bf16> a3(a.size()), x13(h.size()), xe3(h.size());
+        dh3.put(h), dpart.put(part);
+        add_rms_norm_pre_ffn(dh3.p, a3.p, rows, n, dwp.p, dw1.p, dw2.p, drs.p, eps, x13.p, xe3.p, xr3.p, nullptr,
+                             dpart.p, 2);
+        const std::string w3 = "from split-K partials, rows " + std::to_string(rows) + " n " + std::to_string(n);
+        const auto h1 = dh.get(), h3 = dh3.get(), r1 = xr.get(), r3 = xr3.get();
+        EXPECT_EQ(0, std::memcmp(h1.data(), h3.data(), h1.size() * sizeof(float))) << w3;
+        EXPECT_EQ(0, std::memcmp(r1.data(), r3.data(), r1.size() * sizeof(float))) << w3;
+        const auto e1 = xe.get(), e3 = xe3.get();
+        EXPECT_EQ(0, std::memcmp(e1.data(), e3.data(), e1.size() * sizeof(bf16))) << w3;
+      }
       add_rms_norm(dh2.p, da.p, rows, n, dwp.p, eps, nullptr);
       pre_ffn(dh2.p, rows, n, dw1.p, dw2.p, drs.p, eps, x1b.p, xeb.p, xr2.p, nullptr);
       const std::string what = "rows " + std::to_string(rows) + " n " + std::to_string(n);

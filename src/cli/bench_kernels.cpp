@@ -193,6 +193,36 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
     add("GEMM o_proj" + tag, std::to_string(T) + "x" + std::to_string(nh * D) + " . " + std::to_string(H) + "x" +
         std::to_string(nh * D) + "^T", 2.0 * (double(H) * nh * D + double(T) * (nh * D + H)), 2.0 * T * H * nh * D,
         [=, &gemm](cudaStream_t st) { gemm.linear(att, Dt::BF16, T, wo, Dt::BF16, H, nh * D, a_bf, Dt::BF16, st); });
+    // The same two GEMMs on kernels_dense_tma.cu (split-K f32 partials; the engine's readers add them up as they
+    // load them, here dense_splits_to_bf16 stands in for that), clusters of 1 and 2.
+    if (cuda::dense_tma_supported(T, nqkv, H) && cuda::dense_tma_supported(T, H, nh * D)) {
+      for (const int cl : {1, 2}) {
+        const int cluster = cuda::dense_tma_cluster(cl);
+        if (cluster != cl) continue;
+        const std::string ctag = ", cluster " + std::to_string(cl);
+        const int sq = cuda::dense_tma_splits(nqkv, H, cl), so = cuda::dense_tma_splits(H, nh * D, cl);
+        float* part = ar.take<float>(size_t(std::max(sq * nqkv, so * H)) * T);
+        const cuda::TmaMap wq = cuda::dense_tma_weight_map(wqkv, nqkv, H), xq = cuda::dense_tma_token_map(x1, T, H, cl);
+        const cuda::TmaMap wom = cuda::dense_tma_weight_map(wo, H, nh * D);
+        const cuda::TmaMap xo = cuda::dense_tma_token_map(att, T, nh * D, cl);
+        const double qb = 2.0 * (double(nqkv) * H + double(T) * (H + nqkv)), qf = 2.0 * T * H * nqkv;
+        const double ob = 2.0 * (double(H) * nh * D + double(T) * (nh * D + H)), of = 2.0 * T * H * nh * D;
+        add("GEMM qkv dense TMA" + tag + ctag, std::to_string(sq) + " splits", qb, qf,
+            [=](cudaStream_t st) { cuda::dense_tma_splitk(wq, xq, T, nqkv, H, sq, cl, part, st); });
+        add("GEMM qkv dense TMA + splits to bf16" + tag + ctag, std::to_string(sq) + " splits", qb, qf,
+            [=](cudaStream_t st) {
+              cuda::dense_tma_splitk(wq, xq, T, nqkv, H, sq, cl, part, st);
+              cuda::dense_splits_to_bf16(part, sq, T, nqkv, qkv, st);
+            });
+        add("GEMM o_proj dense TMA" + tag + ctag, std::to_string(so) + " splits", ob, of,
+            [=](cudaStream_t st) { cuda::dense_tma_splitk(wom, xo, T, H, nh * D, so, cl, part, st); });
+        add("GEMM o_proj dense TMA + splits to bf16" + tag + ctag, std::to_string(so) + " splits", ob, of,
+            [=](cudaStream_t st) {
+              cuda::dense_tma_splitk(wom, xo, T, H, nh * D, so, cl, part, st);
+              cuda::dense_splits_to_bf16(part, so, T, H, a_bf, st);
+            });
+      }
+    }
   }
 
   // ---- dense MLP ----

@@ -45,6 +45,10 @@ struct DevLayer {
   int64_t cap = 0;
   void** attn_ptrs = nullptr;  // full layers with gemm_attention_: the denoise attention's batch pointers
   cuda::TmaMap exp_gu_map{}, exp_down_map{};  // over exp_gu / exp_down for the TMA expert kernels (use_tma_experts_)
+  // CudaOptions::dense_tma: the split counts of the qkv / o_proj GEMMs of denoise passes on dense_tma_splitk (0:
+  // cuBLASLt) and their weight maps
+  int qkv_splits = 0, o_splits = 0;
+  cuda::TmaMap wqkv_map{}, wo_map{};
   bool gu_packed = false;  // exp_gu in the packed layout (CudaOptions::pack_expert_gate_up, cuda/expert_layout.h)
   bool dn_packed = false;  // exp_down likewise (CudaOptions::pack_expert_down)
 };
@@ -58,6 +62,7 @@ struct Scratch {
   int32_t *idx, *offsets, *sorted_pos, *moe_meta;
   int32_t* slot_token;  // [E M]: the token in each padded expert slot (moe_assign_padded), for the gathered gate_up
   float* router_partial;      // router_top_k's split partials (canvas-sized passes)
+  float* dense_part;          // dense_tma_splitk's split-K partials (CudaOptions::dense_tma), else null
   unsigned* expert_masks;      // router_top_k's token bit masks of each expert
   unsigned* expert_tile_counters;  // gate_up's tile counters (CudaOptions::dynamic_expert_tiles): zeroed once, left
                                    // zeroed by every launch
@@ -375,6 +380,9 @@ class CudaBackend final : public Backend {
     attn_ld_ = cuda::gemm_attention_key_columns(
         int(std::min<int64_t>(opt.max_context, std::max(1, opt.gemm_attention_max_keys))));
 
+    if (opt.dense_tma_cluster != 1 && opt.dense_tma_cluster != 2)
+      fail("CudaOptions::dense_tma_cluster must be 1 or 2, got {}", opt.dense_tma_cluster);
+    plan_dense_tma();
     Arena dry;
     layout(dry);
     size_t free_b = 0, total_b = 0;
@@ -407,6 +415,11 @@ class CudaBackend final : public Backend {
         xs_map_ = cuda::tma_map_bf16_rows(s_.xs, int64_t(E) * M, H, M);
         acte_map_ = cuda::tma_map_bf16_rows(s_.acte, int64_t(E) * M, Ie, M);
       }  // else (not sm_90, or not 32 padded rows per expert): the cuBLASLt expert GEMMs
+    }
+    for (DevLayer& L : layers_) {
+      const int H = cfg_.hidden_size, nhD = cfg_.num_heads * L.shape.head_dim;
+      if (L.qkv_splits > 0) L.wqkv_map = cuda::dense_tma_weight_map(L.wqkv, L.nqkv, H);
+      if (L.o_splits > 0) L.wo_map = cuda::dense_tma_weight_map(L.wo, H, nhD);
     }
     gemm_ = std::make_unique<cuda::Gemm>();
     // its own workspace: runs concurrently with gemm_
@@ -859,7 +872,15 @@ class CudaBackend final : public Backend {
 
     // Layer l > 0 finds its input norm in x already: the previous layer's combine kernel wrote it.
     if (l == 0) cuda::rms_norm_f32_to_bf16(s_.h, T, H, L.input_norm, eps, s_.x, stream_);
-    gemm_->linear(s_.x, Dt::BF16, T, L.wqkv, Dt::BF16, L.nqkv, H, s_.qkv, Dt::BF16, stream_);
+    // CudaOptions::dense_tma (plan_dense_tma): qkv and o_proj as split-K partials, summed by their readers
+    const bool dense = pass == Pass::Decoder && T <= cfg_.canvas_length;
+    const int qkv_splits = dense ? L.qkv_splits : 0, o_splits = dense ? L.o_splits : 0;
+    const int dcl = opt_.dense_tma_cluster;
+    if (qkv_splits > 0)
+      cuda::dense_tma_splitk(L.wqkv_map, cuda::dense_tma_token_map(s_.x, T, H, dcl), T, L.nqkv, H, qkv_splits, dcl,
+                             s_.dense_part, stream_);
+    else
+      gemm_->linear(s_.x, Dt::BF16, T, L.wqkv, Dt::BF16, L.nqkv, H, s_.qkv, Dt::BF16, stream_);
     // A denoise pass of a full layer on the GEMM attention: the canvas keys / values go straight into the cache rows
     // after the cached ones (the positions they will have once committed; a commit rewrites them), so that all keys
     // are rows [0, kv_len + T) of one matrix.
@@ -869,7 +890,7 @@ class CudaBackend final : public Backend {
     bf16* kn = gemm_attn ? L.kc + size_t(kv_len_) * nkv * D : s_.kn;
     bf16* vn = gemm_attn ? L.vc + size_t(kv_len_) * nkv * D : s_.vn;
     cuda::qkv_norm_rope(s_.qkv, T, nh, nkv, D, !L.shape.has_v_proj, L.q_norm, L.k_norm, L.inv_freq, kv_len_, eps,
-                        s_.q, kn, vn, stream_);
+                        s_.q, kn, vn, stream_, qkv_splits > 0 ? s_.dense_part : nullptr, qkv_splits);
     mark(kStAttnProj);
     if (gemm_attn) {
       cuda::gemm_attention(*gemm_, gemm_attention_args(L), T, int(n_keys), stream_);
@@ -889,10 +910,14 @@ class CudaBackend final : public Backend {
     }
     mark(kStAttention);
     if (pass == Pass::Encoder) cuda::kv_write(s_.kn, s_.vn, T, nkv * D, kv_len_, L.kc, L.vc, L.cap, stream_);
-    gemm_->linear(s_.att, Dt::BF16, T, L.wo, Dt::BF16, H, nh * D, s_.a, Dt::BF16, stream_);
+    if (o_splits > 0)
+      cuda::dense_tma_splitk(L.wo_map, cuda::dense_tma_token_map(s_.att, T, nh * D, dcl), T, H, nh * D, o_splits, dcl,
+                             s_.dense_part, stream_);
+    else
+      gemm_->linear(s_.att, Dt::BF16, T, L.wo, Dt::BF16, H, nh * D, s_.a, Dt::BF16, stream_);
     // h += rms(attention out; post_attn), then the FFN inputs x1, xe, xr from the new h: one kernel.
     cuda::add_rms_norm_pre_ffn(s_.h, s_.a, T, H, L.post_attn, L.pre_ff, L.pre_ff2, L.router_scale, eps, s_.x1, s_.xe,
-                               s_.xr, stream_);
+                               s_.xr, stream_, o_splits > 0 ? s_.dense_part : nullptr, o_splits);
     mark(kStOProj);
 
     const int Ie = cfg_.moe_intermediate_size;
@@ -1066,6 +1091,25 @@ class CudaBackend final : public Backend {
     mark(kStCombine);
   }
 
+  // CudaOptions::dense_tma: which denoise GEMMs run on dense_tma_splitk, with how many splits. A GEMM qualifies when
+  // its grid (N / 128 weight tiles x splits) fills one wave with at least two splits; fewer blocks than SMs would
+  // leave the tensor cores of the rest idle, and cuBLASLt is as fast there.
+  void plan_dense_tma() {
+    const int H = cfg_.hidden_size, T = cfg_.canvas_length, cl = opt_.dense_tma_cluster;
+    for (DevLayer& L : layers_) {
+      L.qkv_splits = L.o_splits = 0;
+      if (!opt_.dense_tma) continue;
+      const int nhD = cfg_.num_heads * L.shape.head_dim;
+      auto splits = [&](int N, int K) {
+        if (!cuda::dense_tma_supported(T, N, K)) return 0;
+        const int s = cuda::dense_tma_splits(N, K, cl);
+        return s >= 2 ? s : 0;
+      };
+      L.qkv_splits = splits(L.nqkv, H);
+      L.o_splits = splits(H, nhD);
+    }
+  }
+
   // KV regions and scratch (the weights are CudaWeights').
   void layout(Arena& ar) {
     const size_t H = size_t(cfg_.hidden_size), V = size_t(cfg_.vocab_size), Id = size_t(cfg_.intermediate_size);
@@ -1092,6 +1136,10 @@ class CudaBackend final : public Backend {
     s_.xr = ar.take<float>(Tm * H);
     s_.rl = ar.take<float>(Tm * E);
     s_.router_partial = ar.take<float>(cuda::router_partial_floats(int(Lc), int(H)));
+    size_t dense_part = 0;
+    for (const DevLayer& L : layers_)
+      dense_part = std::max({dense_part, size_t(L.qkv_splits) * size_t(L.nqkv), size_t(L.o_splits) * H});
+    s_.dense_part = dense_part ? ar.take<float>(dense_part * Lc) : nullptr;
     s_.expert_masks = ar.take<unsigned>(cuda::expert_mask_words(int(Lc), int(E)));
     s_.expert_tile_counters = ar.take<unsigned>(2 + E);  // + the fused experts' per-expert counts
     s_.wk = ar.take<float>(Tm * K);

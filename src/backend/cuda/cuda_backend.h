@@ -97,6 +97,14 @@ struct CudaOptions {
   // same call (docs/BENCHMARKS.md, session 15): 4K step 15.46-15.53 against 15.67-15.74 ms, 15.60 against 15.76 in
   // the final call. A/B: bench --f32-expert-rows.
   bool bf16_expert_rows = true;
+  // Denoise passes run the sliding layers' qkv projection and every layer's o_proj on our Hopper GEMM
+  // (kernels_dense_tma.cu: split-K f32 partials that qkv_norm_rope / add_rms_norm_pre_ffn add up as they read them,
+  // launched with PDL so the weight stream starts during the predecessor's tail) instead of cuBLASLt, which cannot
+  // be PDL-launched. Only where the split-K grid fills the GPU in one wave with at least two splits (the full layers'
+  // qkv, 72 weight tiles, stays on cuBLASLt). dense_tma_cluster: blocks a cluster (1 or 2) that share the token
+  // loads. A/B: bench --no-dense-tma, --dense-tma-cluster.
+  bool dense_tma = true;
+  int dense_tma_cluster = 2;
   // With overlap_dense_mlp and the masked gate_up: the side stream's assignment (moe_assign_padded) as one block of
   // 256 threads instead of 1024, so that it fits beside the expert kernel's blocks (their registers leave ~23K an SM)
   // and runs while the experts stream instead of after them. Same results. H200, 4K step (docs/BENCHMARKS.md,

@@ -35,9 +35,12 @@ void pre_ffn(const float* h, int rows, int n, const float* w_pre, const float* w
              float eps, bf16* x1, bf16* xe, float* xr, cudaStream_t s);
 // add_rms_norm(h, a; w_post) then pre_ffn(h; ...), in one kernel where the row fits the vector path (the same
 // arithmetic in the same order as the two launches).
+// a_part (with a_splits >= 1): a's rows are bf16(the in-order sum of a_splits split-K partials, a_part[(s rows + r)
+// n + i]: dense_tma_splitk's output), the same bits dense_splits_to_bf16 would give; a is not read where the row
+// fits the vector path, else it is written with those rows first.
 void add_rms_norm_pre_ffn(float* h, const bf16* a, int rows, int n, const float* w_post, const float* w_pre,
                           const float* w_pre2, const float* router_scale, float eps, bf16* x1, bf16* xe, float* xr,
-                          cudaStream_t s);
+                          cudaStream_t s, const float* a_part = nullptr, int a_splits = 0);
 // h = (h + rms(rms(m1; w1) + rms(m2; w2); w)) * scalar
 void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, const float* w1, const float* w2,
                  const float* w, float eps, float scalar, cudaStream_t s);
@@ -49,8 +52,12 @@ void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s);
 // qkv: [T, (nh + 2 nkv) D] (or [T, (nh + nkv) D] when v_from_k: full layers reuse raw k as v).
 // q = rope(rms(q; qw)), k = rope(rms(k; kw)), v = rms_noscale(v); positions pos0 + t.
 // inv_freq: [D/2] f32, zeros for pass-through slots.
+// qkv_part (with splits >= 1): qkv's values are bf16(the in-order sum of `splits` split-K partials, qkv_part[(s T +
+// t) width + c]: dense_tma_splitk's output), as dense_splits_to_bf16 would give them; qkv is not read at D 256 / 512,
+// else it is written with those values first.
 void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k, const float* qw, const float* kw,
-                   const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k, bf16* v, cudaStream_t s);
+                   const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k, bf16* v, cudaStream_t s,
+                   const float* qkv_part = nullptr, int splits = 0);
 
 // A/B (bench --qkv-rope-warps): at most this many warps a block of qkv_norm_rope's vector kernel (one warp a row of
 // q / k / v heads; default 32: a token's 32 sliding or 20 full-layer rows in one pass; before session 13: 16).
@@ -263,6 +270,24 @@ TmaMap tma_map_bf16_rows(const bf16* p, int64_t rows, int64_t cols, int box_rows
 // of box_heads consecutive heads (row-major (row, head) order: a Q tile's rows), laid out as the attention kernels'
 // swizzled tiles. Box rows past the tensor's end read as zeros.
 TmaMap tma_map_bf16_heads(const bf16* p, int64_t rows, int heads, int D, int box_rows, int box_heads = 1);
+
+// (kernels_dense_tma.cu) Dense GEMM of canvas-sized passes on Hopper, as split-K f32 partial sums:
+//   part[(s T + t) N + n] = sum over k in split s of x[t][k] w[n][k],  s < splits, t < T <= 256,
+// the splits cutting K / 64 k slices into nearly equal contiguous ranges. Readers add part[s] for s = 0, 1, ... in
+// that order (qkv_norm_rope / add_rms_norm_pre_ffn with partials, dense_splits_to_bf16). w = dense_tma_weight_map(W,
+// N, K), x = dense_tma_token_map(X, T, K, cluster); cluster 2: blocks in pairs that share the token loads (multicast;
+// falls back to 1 where clusters cannot run). Launched with PDL: the weights of the first stages are requested before
+// the predecessor has completed. Needs N % 256 == 0, K % 64 == 0, 1 <= splits <= K / 64.
+bool dense_tma_supported(int T, int N, int K);
+int dense_tma_cluster(int cluster);  // the cluster size dense_tma_splitk would use for `cluster`
+// The most splits that still fit one wave of blocks on this GPU (at least 1).
+int dense_tma_splits(int N, int K, int cluster);
+TmaMap dense_tma_weight_map(const bf16* w, int N, int K);
+TmaMap dense_tma_token_map(const bf16* x, int T, int K, int cluster);
+void dense_tma_splitk(const TmaMap& w, const TmaMap& x, int T, int N, int K, int splits, int cluster, float* part,
+                      cudaStream_t s);
+// out[t][n] = bf16(sum over s in order of part[(s T + t) N + n]).
+void dense_splits_to_bf16(const float* part, int splits, int T, int N, bf16* out, cudaStream_t s);
 // The padded path's expert GEMMs on TMA + wgmma, for the rows t < rows[e] of each expert's 32-row block (rows =
 // meta + 1 + E of moe_group_padded); other rows of the outputs are not written. Same arithmetic as the cuBLASLt f32
 // GEMMs (+ moe_gelu_mul_padded) up to the order of the f32 sums.

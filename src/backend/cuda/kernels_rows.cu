@@ -130,6 +130,23 @@ __device__ __forceinline__ RowVec<NV> load_f32(const float* row, int n4) {
   }
   return r;
 }
+// bf16(x) as a float: what a bf16 store then load of x gives.
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+// A row given as `splits` split-K partials (the first at row, the next ones split_stride floats apart): their in-order
+// sum, rounded to bf16 (dense_tma_splitk's readers: the same values its bf16 output would have).
+template <int NV>
+__device__ __forceinline__ RowVec<NV> load_splits_bf16(const float* row, int n4, int splits, size_t split_stride) {
+  RowVec<NV> r = load_f32<NV>(row, n4);
+  for (int sp = 1; sp < splits; ++sp) {
+    const RowVec<NV> o = load_f32<NV>(row + size_t(sp) * split_stride, n4);
+#pragma unroll
+    for (int j = 0; j < NV; ++j) r.v[j].x += o.v[j].x, r.v[j].y += o.v[j].y, r.v[j].z += o.v[j].z, r.v[j].w += o.v[j].w;
+  }
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+    r.v[j] = make_float4(round_bf16(r.v[j].x), round_bf16(r.v[j].y), round_bf16(r.v[j].z), round_bf16(r.v[j].w));
+  return r;
+}
 template <int NV>
 __device__ __forceinline__ RowVec<NV> load_bf16(const bf16* row, int n4) {
   RowVec<NV> r;
@@ -258,11 +275,13 @@ __global__ void __launch_bounds__(kVecThreads) pre_ffn_vec_k(const float* h, int
 // in the same order as the two kernels). The norm weights are constants, so they are loaded before
 // griddepcontrol.wait; after it, the attention output and the residual rows in one round trip. (It waited for three
 // dependent round trips before: 7.9-8.9 us a layer at T = 256 in the H200 profile, session 11.)
+// a_part: a as split-K partials (load_splits_bf16), a_splits of them [a_splits][rows][n].
 template <int NV>
 __global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float* h, const bf16* a, int n,
                                                                           const float* w_post, const float* w_pre,
                                                                           const float* w_pre2, const float* rs,
-                                                                          float eps, bf16* x1, bf16* xe, float* xr) {
+                                                                          float eps, bf16* x1, bf16* xe, float* xr,
+                                                                          const float* a_part, int a_splits) {
   const int n4 = n / 4;
   const FfnWeights<NV> f = load_ffn_weights<NV>(w_pre, w_pre2, rs, n4);
   float4 wp[NV];
@@ -274,7 +293,8 @@ __global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float*
   pdl_wait();  // launch.cuh: only the constant weights above were read before it
   pdl_trigger();
   const size_t off = size_t(blockIdx.x) * n;
-  const RowVec<NV> ra = load_bf16<NV>(a + off, n4);
+  const RowVec<NV> ra = a_part ? load_splits_bf16<NV>(a_part + off, n4, a_splits, size_t(gridDim.x) * n)
+                               : load_bf16<NV>(a + off, n4);
   RowVec<NV> r = load_f32<NV>(h + off, n4);
   const float inv_a = rsqrtf(block_sum(sum_sq(ra)) / float(n) + eps);
 #pragma unroll
@@ -329,17 +349,17 @@ __device__ __forceinline__ void fill_rope_trig(float* trig, int half, float pos,
 // Head row r of token t in qkv_norm_rope: q heads, then k heads, then v heads (v from the k projection when
 // v_from_k): where it is read and written, its norm weight (v: none) and whether it is rotated.
 struct QkvRow {
-  const bf16* src;
+  int col;  // the head's first column in a qkv row
   bf16* dst;
   const float* w;
   bool rotate;
 };
-__device__ __forceinline__ QkvRow qkv_row(int r, int t, int nh, int nkv, int D, bool v_from_k, const bf16* src_row,
-                                          const float* qw, const float* kw, bf16* q, bf16* k, bf16* v) {
-  if (r < nh) return {src_row + size_t(r) * D, q + (size_t(t) * nh + r) * D, qw, true};
-  if (r < nh + nkv) return {src_row + size_t(r) * D, k + (size_t(t) * nkv + (r - nh)) * D, kw, true};
+__device__ __forceinline__ QkvRow qkv_row(int r, int t, int nh, int nkv, int D, bool v_from_k, const float* qw,
+                                          const float* kw, bf16* q, bf16* k, bf16* v) {
+  if (r < nh) return {r * D, q + (size_t(t) * nh + r) * D, qw, true};
+  if (r < nh + nkv) return {r * D, k + (size_t(t) * nkv + (r - nh)) * D, kw, true};
   const int hv = r - nh - nkv;
-  return {src_row + size_t(v_from_k ? nh + hv : nh + nkv + hv) * D, v + (size_t(t) * nkv + hv) * D, nullptr, false};
+  return {(v_from_k ? nh + hv : nh + nkv + hv) * D, v + (size_t(t) * nkv + hv) * D, nullptr, false};
 }
 
 // One warp per (token, head) row: norm over D, then split-half rotation of the pairs (i, i + D/2).
@@ -357,7 +377,8 @@ __global__ void qkv_norm_rope_k(const bf16* qkv, int nh, int nkv, int D, bool v_
   extern __shared__ float trig[];  // [half] cos, then [half] sin
   fill_rope_trig(trig, half, pos, inv_freq);
   for (int r = threadIdx.x >> 5; r < n_rows; r += blockDim.x >> 5) {
-    const auto [src, dst, w, rotate] = qkv_row(r, t, nh, nkv, D, v_from_k, src_row, qw, kw, q, k, v);
+    const auto [col, dst, w, rotate] = qkv_row(r, t, nh, nkv, D, v_from_k, qw, kw, q, k, v);
+    const bf16* src = src_row + col;
     float ss = 0;
     for (int i = lane; i < D; i += 32) {
       float x = __bfloat162float(src[i]);
@@ -381,10 +402,11 @@ __global__ void qkv_norm_rope_k(const bf16* qkv, int nh, int nkv, int D, bool v_
 // The same for D = 32 EPL (EPL a multiple of 8): lane l holds elements [l EPL, l EPL + EPL) of its row as 16-byte
 // loads and stores, and the rotation partner i + D/2 of element i sits in lane l ^ 16 (one shuffle per element).
 // The scalar kernel above (2-byte loads, the row read twice) took ~9 us a layer at T = 256 (H200 profile).
+// part (splits >= 1): the qkv rows as split-K partials [splits][T][width] (load_splits_bf16's values), qkv unread.
 template <int EPL>
 __global__ void qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_from_k, const float* qw,
                                     const float* kw, const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k,
-                                    bf16* v) {
+                                    bf16* v, const float* part, int splits) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   constexpr int D = 32 * EPL, half = D / 2;
@@ -398,16 +420,32 @@ __global__ void qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_fro
   const bool first = lane < 16;
   const int e0 = lane * EPL, i0 = (first ? lane : lane - 16) * EPL;  // element, and its rotation frequency index
   for (int r = threadIdx.x >> 5; r < n_rows; r += blockDim.x >> 5) {
-    const auto [src, dst, w, rotate] = qkv_row(r, t, nh, nkv, D, v_from_k, src_row, qw, kw, q, k, v);
+    const auto [col, dst, w, rotate] = qkv_row(r, t, nh, nkv, D, v_from_k, qw, kw, q, k, v);
     float x[EPL];
+    if (part) {
+      const float* p = part + size_t(t) * width + col + e0;
+      const size_t stride = size_t(gridDim.x) * width;
 #pragma unroll
-    for (int c = 0; c < EPL / 8; ++c) {
-      const uint4 u = reinterpret_cast<const uint4*>(src + e0)[c];
-      const uint32_t wd[4] = {u.x, u.y, u.z, u.w};
+      for (int c = 0; c < EPL / 4; ++c) {
+        float4 a = reinterpret_cast<const float4*>(p)[c];
+        for (int sp = 1; sp < splits; ++sp) {
+          const float4 o = reinterpret_cast<const float4*>(p + size_t(sp) * stride)[c];
+          a.x += o.x, a.y += o.y, a.z += o.z, a.w += o.w;
+        }
+        x[4 * c] = round_bf16(a.x), x[4 * c + 1] = round_bf16(a.y);
+        x[4 * c + 2] = round_bf16(a.z), x[4 * c + 3] = round_bf16(a.w);
+      }
+    } else {
+      const bf16* src = src_row + col;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wd[j]));
-        x[8 * c + 2 * j] = f.x, x[8 * c + 2 * j + 1] = f.y;
+      for (int c = 0; c < EPL / 8; ++c) {
+        const uint4 u = reinterpret_cast<const uint4*>(src + e0)[c];
+        const uint32_t wd[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wd[j]));
+          x[8 * c + 2 * j] = f.x, x[8 * c + 2 * j + 1] = f.y;
+        }
       }
     }
     float ss = 0;
@@ -878,10 +916,13 @@ void pre_ffn(const float* h, int rows, int n, const float* w_pre, const float* w
 }
 void add_rms_norm_pre_ffn(float* h, const bf16* a, int rows, int n, const float* w_post, const float* w_pre,
                           const float* w_pre2, const float* router_scale, float eps, bf16* x1, bf16* xe, float* xr,
-                          cudaStream_t s) {
+                          cudaStream_t s, const float* a_part, int a_splits) {
   if (rows == 0) return;
+  if (a_part && a_splits < 1)
+    throw_cuda_error("add_rms_norm_pre_ffn", "a_part needs a_splits >= 1", a_splits, __FILE__, __LINE__);
   const int nv = row_vec_nv(n);
   if (nv == 0) {
+    if (a_part) dense_splits_to_bf16(a_part, a_splits, rows, n, const_cast<bf16*>(a), s);  // a is written then
     add_rms_norm(h, a, rows, n, w_post, eps, s);
     pre_ffn(h, rows, n, w_pre, w_pre2, router_scale, eps, x1, xe, xr, s);
     return;
@@ -890,7 +931,8 @@ void add_rms_norm_pre_ffn(float* h, const bf16* a, int rows, int n, const float*
                : nv == 2 ? add_rms_norm_pre_ffn_vec_k<2>
                : nv == 3 ? add_rms_norm_pre_ffn_vec_k<3>
                          : add_rms_norm_pre_ffn_vec_k<4>;
-  launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, h, a, n, w_post, w_pre, w_pre2, router_scale, eps, x1, xe, xr);
+  launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, h, a, n, w_post, w_pre, w_pre2, router_scale, eps, x1, xe, xr,
+             a_part, a_splits);
   CUDA_CHECK_LAUNCH();
 }
 void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, const float* w1, const float* w2,
@@ -915,15 +957,22 @@ int g_qkv_rope_max_warps = 32;  // set_qkv_rope_max_warps
 }  // namespace
 void set_qkv_rope_max_warps(int n) { g_qkv_rope_max_warps = std::clamp(n > 0 ? n : 32, 1, 32); }
 void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k, const float* qw, const float* kw,
-                   const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k, bf16* v, cudaStream_t s) {
+                   const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k, bf16* v, cudaStream_t s,
+                   const float* qkv_part, int splits) {
   if (T == 0) return;
   const int rows = nh + 2 * nkv;
+  if (qkv_part && splits < 1) throw_cuda_error("qkv_norm_rope", "qkv_part needs splits >= 1", splits, __FILE__, __LINE__);
   if (D == 256 || D == 512) {
     // One warp a row, so a block's rows take one pass (each row is processed the same way at any warp count).
     const int vwarps = std::min(rows, g_qkv_rope_max_warps);
     auto* kern = D == 256 ? qkv_norm_rope_vec_k<8> : qkv_norm_rope_vec_k<16>;
-    launch_pdl(kern, dim3(T), dim3(32 * vwarps), 0, s, qkv, nh, nkv, v_from_k, qw, kw, inv_freq, pos0, eps, q, k, v);
+    launch_pdl(kern, dim3(T), dim3(32 * vwarps), 0, s, qkv, nh, nkv, v_from_k, qw, kw, inv_freq, pos0, eps, q, k, v,
+               qkv_part, splits);
     return;
+  }
+  if (qkv_part) {  // other head dims: the partials summed into qkv first (qkv is then written, not just read)
+    const int width = (nh + (v_from_k ? 1 : 2) * nkv) * D;
+    dense_splits_to_bf16(qkv_part, splits, T, width, const_cast<bf16*>(qkv), s);
   }
   const int warps = rows < 8 ? rows : 8;
   launch_pdl(qkv_norm_rope_k, dim3(T), dim3(32 * warps), size_t(D) * sizeof(float), s, qkv, nh, nkv, D, v_from_k, qw, kw, inv_freq, pos0,
