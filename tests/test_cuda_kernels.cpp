@@ -765,7 +765,7 @@ TEST(CudaKernels, DenseTmaSplitK) {
           for (int s = 1; s < splits; ++s) v += p[size_t(s) * sum.size() + i];
           sum[i] = v;
         }
-        EXPECT_LE(rel_err(sum, want), 2e-6) << what;
+        EXPECT_LE(rel_err(sum, want), 1e-5) << what;  // f32 accumulation on the tensor cores
         dense_splits_to_bf16(part.p, splits, T, N, out.p, nullptr);
         const auto ob = out.get();
         size_t bad = 0;

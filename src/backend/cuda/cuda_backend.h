@@ -104,7 +104,7 @@ struct CudaOptions {
   // qkv, 72 weight tiles, stays on cuBLASLt). dense_tma_cluster: blocks a cluster (1 or 2) that share the token
   // loads. A/B: bench --no-dense-tma, --dense-tma-cluster.
   bool dense_tma = true;
-  int dense_tma_cluster = 2;
+  int dense_tma_cluster = 1;
   // With overlap_dense_mlp and the masked gate_up: the side stream's assignment (moe_assign_padded) as one block of
   // 256 threads instead of 1024, so that it fits beside the expert kernel's blocks (their registers leave ~23K an SM)
   // and runs while the experts stream instead of after them. Same results. H200, 4K step (docs/BENCHMARKS.md,

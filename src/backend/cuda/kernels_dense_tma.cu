@@ -41,6 +41,8 @@ constexpr int kStages = 4;
 constexpr int kThreads = 288;
 constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStages * 16;
 static_assert(kWBytes % 1024 == 0 && kXBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte alignment");
+static_assert(2 * kTok * (64 + 4) * 4 <= kStages * kStageBytes, "the epilogue's staged tile fits the ring");
+int g_prefetch = 8;  // dense_tma_set_prefetch
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DG_DENSE_TMA 1
@@ -49,10 +51,12 @@ using namespace hopper;
 
 // part[(split T + t) N + n] = sum over k in the split's range of x[t][k] w[n][k] (t < T). tmW: W [N, K], box {64,
 // 128}; tmX: X [T, K], box {64, 256 / CL} (rows past T zero-filled by the TMA unit).
+// prefetch: the weight box of k slice kt + prefetch is requested into L2 as slice kt is loaded (0: none), so that
+// more of the weight stream is in flight than the shared-memory ring holds.
 template <int CL>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX, int T, int N, int K,
-                int splits, float* __restrict__ part) {
+                int splits, float* __restrict__ part, int prefetch) {
 #if defined(DG_DENSE_TMA)
   const int n_tiles = N / kWRows, tile = int(blockIdx.x) % n_tiles, split = int(blockIdx.x) / n_tiles;
   const int nkb = K / kBK, kb0 = split * nkb / splits, kb1 = (split + 1) * nkb / splits, nk = kb1 - kb0;
@@ -94,6 +98,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         tma_load_2d(base + uint32_t(kt) * kStageBytes, &tmW, (kb0 + kt) * kBK, tile * kWRows, full0 + 8 * kt,
                     evict_first);
       }
+      // The L2 prefetches of the slices after them, up to `prefetch` ahead of the ring's loads.
+      for (int kt = npre; kt < nk && kt < npre + prefetch; ++kt) tma_prefetch_l2_2d(&tmW, (kb0 + kt) * kBK, tile * kWRows);
       pdl_wait();  // the token rows (the predecessor's output) are final now
       for (int kt = 0; kt < nk; ++kt) {
         const int s = kt % kStages;
@@ -104,6 +110,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_wait(empty0 + 8 * s, ((kt / kStages) & 1u) ^ 1u);
           mbar_arrive_expect_tx(full, kStageBytes);
           tma_load_2d(st, &tmW, (kb0 + kt) * kBK, tile * kWRows, full, evict_first);
+          if (prefetch > 0 && kt + prefetch < nk) tma_prefetch_l2_2d(&tmW, (kb0 + kt + prefetch) * kBK, tile * kWRows);
         }
         if constexpr (CL > 1) {
           constexpr int kHalf = kTok / CL;
@@ -142,21 +149,31 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     fence_acc(d);
     // (The last stage is not released: nothing loads into it again.)
+    // The tile goes out through shared memory, so that each token's 64 outputs of a warpgroup leave as 256
+    // contiguous bytes (the fragments hold 8 consecutive outputs of 4 tokens a warp store). The ring is free once
+    // both warpgroups' last wgmma has read it (named barrier 1: the 256 consumer threads).
+    asm volatile("bar.sync 1, 256;" ::: "memory");
     // Fragment of thread (warp w of the warpgroup, lane l): d[4j + 2i + c] = D[row 16w + l/4 + 8i][token 8j +
-    // 2(l%4) + c], rows being weight rows (output columns n), tokens the output rows.
-    pdl_wait();  // nothing of this grid's predecessor is overwritten before it has completed (part is scratch)
-    const int n_row = tile * kWRows + g * 64 + (warp & 3) * 16 + (lane >> 2), t0 = (lane & 3) * 2;
-    float* const out = part + size_t(split) * size_t(T) * size_t(N) + n_row;
+    // 2(l%4) + c], rows being weight rows (output columns n), tokens the output rows. Staged as [token][64 + 4]
+    // floats (the padding spreads a warp's 32 stores over 32 banks).
+    constexpr int kLd = 64 + 4;
+    float* const stage = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw))) + g * kTok * kLd;
+    const int r0 = (warp & 3) * 16 + (lane >> 2), t0 = (lane & 3) * 2;
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const int tok = 8 * j + t0 + c;
-        if (tok < T) {
-          out[size_t(tok) * N] = d[4 * j + c];
-          out[size_t(tok) * N + 8] = d[4 * j + 2 + c];
-        }
+        stage[(8 * j + t0 + c) * kLd + r0] = d[4 * j + c];
+        stage[(8 * j + t0 + c) * kLd + r0 + 8] = d[4 * j + 2 + c];
       }
+    asm volatile("bar.sync %0, 128;" ::"r"(2 + g) : "memory");  // this warpgroup's tile is staged
+    pdl_wait();  // nothing of this grid's predecessor is overwritten before it has completed (part is scratch)
+    float* const out = part + size_t(split) * size_t(T) * size_t(N) + size_t(tile) * kWRows + g * 64;
+    const int tid = int(threadIdx.x) & 127;
+    for (int i = tid; i < T * 16; i += 128) {  // 16 float4 a token row of 64 outputs
+      const int tok = i >> 4, q = i & 15;
+      reinterpret_cast<float4*>(out + size_t(tok) * N)[q] = *reinterpret_cast<const float4*>(stage + tok * kLd + 4 * q);
+    }
   }
   // No block leaves while its peer may still multicast into it or arrive on its barriers.
   if constexpr (CL > 1) cluster_sync();
@@ -261,10 +278,12 @@ void dense_tma_splitk(const TmaMap& w, const TmaMap& x, int T, int N, int K, int
   }
   cfg.attrs = at, cfg.numAttrs = unsigned(na);
   if (cl == 2)
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<2>, mw, mx, T, N, K, splits, part));
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<2>, mw, mx, T, N, K, splits, part, g_prefetch));
   else
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<1>, mw, mx, T, N, K, splits, part));
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<1>, mw, mx, T, N, K, splits, part, g_prefetch));
 }
+
+void dense_tma_set_prefetch(int slices) { g_prefetch = std::max(0, slices); }
 
 TmaMap dense_tma_weight_map(const bf16* w, int N, int K) { return tma_map_bf16_rows(w, N, K, kWRows); }
 TmaMap dense_tma_token_map(const bf16* x, int T, int K, int cluster) {
