@@ -58,7 +58,7 @@ struct BenchArgs {
   bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false,
        overflow_on_side = false, dense_down_side_plan = false, f32_expert_rows = false, no_dense_tma = false;
   int dense_tma_cluster = 1;  // CudaOptions::dense_tma_cluster
-  int dense_tma_prefetch = 8;  // cuda::dense_tma_set_prefetch
+  int dense_tma_prefetch = 0;  // cuda::dense_tma_set_prefetch
   int tma_l2_promotion = 256;  // CudaOptions::tma_weight_l2_promotion
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse

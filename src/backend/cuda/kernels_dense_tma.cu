@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "backend/cuda/cuda_check.h"
@@ -42,7 +43,12 @@ constexpr int kThreads = 288;
 constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStages * 16;
 static_assert(kWBytes % 1024 == 0 && kXBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte alignment");
 static_assert(2 * kTok * (64 + 4) * 4 <= kStages * kStageBytes, "the epilogue's staged tile fits the ring");
-int g_prefetch = 8;  // dense_tma_set_prefetch
+int g_prefetch = 0;  // dense_tma_set_prefetch
+// DG_DENSE_TMA_ROTATE=0 (experiment): every tile in k order.
+const int g_rotate = [] {
+  const char* e = std::getenv("DG_DENSE_TMA_ROTATE");
+  return e && e[0] == '0' ? 0 : 1;
+}();
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DG_DENSE_TMA 1
@@ -56,10 +62,15 @@ using namespace hopper;
 template <int CL>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX, int T, int N, int K,
-                int splits, float* __restrict__ part, int prefetch) {
+                int splits, float* __restrict__ part, int prefetch, int rotate) {
 #if defined(DG_DENSE_TMA)
   const int n_tiles = N / kWRows, tile = int(blockIdx.x) % n_tiles, split = int(blockIdx.x) / n_tiles;
   const int nkb = K / kBK, kb0 = split * nkb / splits, kb1 = (split + 1) * nkb / splits, nk = kb1 - kb0;
+  // Every block reads the same token slices: starting each weight tile at its own k slice (and wrapping) spreads
+  // those reads over the L2 instead of having all blocks ask for the same lines at once. The order of a tile's sum
+  // depends only on its tile index: still deterministic.
+  const int rot = rotate ? tile % nk : 0;
+  auto kslice = [&](int kt) { return kb0 + (kt + rot < nk ? kt + rot : kt + rot - nk); };
   extern __shared__ unsigned char smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t full0 = base + kStages * kStageBytes, empty0 = full0 + 8 * kStages;
@@ -95,11 +106,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int npre = nk < kStages ? nk : kStages;
       for (int kt = 0; kt < npre; ++kt) {
         mbar_arrive_expect_tx(full0 + 8 * kt, kStageBytes);
-        tma_load_2d(base + uint32_t(kt) * kStageBytes, &tmW, (kb0 + kt) * kBK, tile * kWRows, full0 + 8 * kt,
+        tma_load_2d(base + uint32_t(kt) * kStageBytes, &tmW, kslice(kt) * kBK, tile * kWRows, full0 + 8 * kt,
                     evict_first);
       }
       // The L2 prefetches of the slices after them, up to `prefetch` ahead of the ring's loads.
-      for (int kt = npre; kt < nk && kt < npre + prefetch; ++kt) tma_prefetch_l2_2d(&tmW, (kb0 + kt) * kBK, tile * kWRows);
+      for (int kt = npre; kt < nk && kt < npre + prefetch; ++kt) tma_prefetch_l2_2d(&tmW, kslice(kt) * kBK, tile * kWRows);
       pdl_wait();  // the token rows (the predecessor's output) are final now
       for (int kt = 0; kt < nk; ++kt) {
         const int s = kt % kStages;
@@ -109,15 +120,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           // into the peer's ring as well)
           mbar_wait(empty0 + 8 * s, ((kt / kStages) & 1u) ^ 1u);
           mbar_arrive_expect_tx(full, kStageBytes);
-          tma_load_2d(st, &tmW, (kb0 + kt) * kBK, tile * kWRows, full, evict_first);
-          if (prefetch > 0 && kt + prefetch < nk) tma_prefetch_l2_2d(&tmW, (kb0 + kt + prefetch) * kBK, tile * kWRows);
+          tma_load_2d(st, &tmW, kslice(kt) * kBK, tile * kWRows, full, evict_first);
+          if (prefetch > 0 && kt + prefetch < nk) tma_prefetch_l2_2d(&tmW, kslice(kt + prefetch) * kBK, tile * kWRows);
         }
         if constexpr (CL > 1) {
           constexpr int kHalf = kTok / CL;
-          tma_load_2d_multicast(st + kWBytes + rank * uint32_t(kHalf * kBK * 2), &tmX, (kb0 + kt) * kBK,
+          tma_load_2d_multicast(st + kWBytes + rank * uint32_t(kHalf * kBK * 2), &tmX, kslice(kt) * kBK,
                                 int(rank) * kHalf, full, uint16_t((1u << CL) - 1u), evict_last);
         } else {
-          tma_load_2d(st + kWBytes, &tmX, (kb0 + kt) * kBK, 0, full, evict_last);
+          tma_load_2d(st + kWBytes, &tmX, kslice(kt) * kBK, 0, full, evict_last);
         }
       }
     }
@@ -278,9 +289,9 @@ void dense_tma_splitk(const TmaMap& w, const TmaMap& x, int T, int N, int K, int
   }
   cfg.attrs = at, cfg.numAttrs = unsigned(na);
   if (cl == 2)
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<2>, mw, mx, T, N, K, splits, part, g_prefetch));
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<2>, mw, mx, T, N, K, splits, part, g_prefetch, g_rotate));
   else
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<1>, mw, mx, T, N, K, splits, part, g_prefetch));
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<1>, mw, mx, T, N, K, splits, part, g_prefetch, g_rotate));
 }
 
 void dense_tma_set_prefetch(int slices) { g_prefetch = std::max(0, slices); }
