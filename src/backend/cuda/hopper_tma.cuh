@@ -160,12 +160,14 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return r;
 }
-// Arrive on the mbarrier at shared-window address `bar` of cluster block `cta` (this block's own included), with
-// release semantics at cluster scope (what CUTLASS's ClusterBarrier::arrive(cta_id) does).
+// Arrive on the mbarrier at shared-window address `bar` of cluster block `cta` (this block's own included), as
+// CUTLASS's ClusterBarrier::arrive(cta_id) does: the default .release.cta semantics. (.release.cluster compiles to a
+// MEMBAR.ALL.GPU that waits for the thread's outstanding memory operations: in kernels_dense_tma.cu's consumers it
+// was half of all warp stall cycles, ncu.)
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
       "r"(cta)
       : "memory");
 }

@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 
 #include "backend/cuda/cuda_check.h"
@@ -44,11 +43,6 @@ constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStages * 16;
 static_assert(kWBytes % 1024 == 0 && kXBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte alignment");
 static_assert(2 * kTok * (64 + 4) * 4 <= kStages * kStageBytes, "the epilogue's staged tile fits the ring");
 int g_prefetch = 0;  // dense_tma_set_prefetch
-// DG_DENSE_TMA_ROTATE=0 (experiment): every tile in k order.
-const int g_rotate = [] {
-  const char* e = std::getenv("DG_DENSE_TMA_ROTATE");
-  return e && e[0] == '0' ? 0 : 1;
-}();
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DG_DENSE_TMA 1
@@ -62,15 +56,11 @@ using namespace hopper;
 template <int CL>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX, int T, int N, int K,
-                int splits, float* __restrict__ part, int prefetch, int rotate) {
+                int splits, float* __restrict__ part, int prefetch) {
 #if defined(DG_DENSE_TMA)
   const int n_tiles = N / kWRows, tile = int(blockIdx.x) % n_tiles, split = int(blockIdx.x) / n_tiles;
   const int nkb = K / kBK, kb0 = split * nkb / splits, kb1 = (split + 1) * nkb / splits, nk = kb1 - kb0;
-  // Every block reads the same token slices: starting each weight tile at its own k slice (and wrapping) spreads
-  // those reads over the L2 instead of having all blocks ask for the same lines at once. The order of a tile's sum
-  // depends only on its tile index: still deterministic.
-  const int rot = rotate ? tile % nk : 0;
-  auto kslice = [&](int kt) { return kb0 + (kt + rot < nk ? kt + rot : kt + rot - nk); };
+  auto kslice = [&](int kt) { return kb0 + kt; };
   extern __shared__ unsigned char smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t full0 = base + kStages * kStageBytes, empty0 = full0 + 8 * kStages;
@@ -153,8 +143,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_acc(d);
       if (kt > 0 && lane == 0) {
         const uint32_t prev = empty0 + 8 * uint32_t((kt - 1) % kStages);
+        if constexpr (CL == 1) {
+          mbar_arrive(prev);
+        } else {
 #pragma unroll
-        for (int c = 0; c < CL; ++c) mbar_arrive_cluster(prev, uint32_t(c));
+          for (int c = 0; c < CL; ++c) mbar_arrive_cluster(prev, uint32_t(c));
+        }
       }
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
@@ -289,9 +283,9 @@ void dense_tma_splitk(const TmaMap& w, const TmaMap& x, int T, int N, int K, int
   }
   cfg.attrs = at, cfg.numAttrs = unsigned(na);
   if (cl == 2)
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<2>, mw, mx, T, N, K, splits, part, g_prefetch, g_rotate));
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<2>, mw, mx, T, N, K, splits, part, g_prefetch));
   else
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<1>, mw, mx, T, N, K, splits, part, g_prefetch, g_rotate));
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<1>, mw, mx, T, N, K, splits, part, g_prefetch));
 }
 
 void dense_tma_set_prefetch(int slices) { g_prefetch = std::max(0, slices); }
