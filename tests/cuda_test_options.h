@@ -7,7 +7,8 @@
 // CudaOptions::dynamic_expert_tiles off, DIFFGEMMA_TEST_ROUTER_TC=1 with the router's partials on
 // the tensor cores (cuda::set_router_tensor_cores), DIFFGEMMA_TEST_UNFUSED_EXPERTS=1 with CudaOptions::fused_experts
 // off, DIFFGEMMA_TEST_UNPACKED_EXPERTS=1 with CudaOptions::pack_expert_gate_up / pack_expert_down off,
-// DIFFGEMMA_TEST_LAYER_GRAPH=1 with CudaOptions::whole_step_graph off, so every path stays covered.
+// DIFFGEMMA_TEST_LAYER_GRAPH=1 with CudaOptions::whole_step_graph off, DIFFGEMMA_TEST_DENSE_TMA=1 with
+// CudaOptions::dense_tma on (=2: with clusters of 2), so every path stays covered.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -31,6 +32,9 @@ inline dg::CudaOptions cuda_test_options() {
   o.fused_experts = !flag("DIFFGEMMA_TEST_UNFUSED_EXPERTS");
   o.pack_expert_gate_up = o.pack_expert_down = !flag("DIFFGEMMA_TEST_UNPACKED_EXPERTS");
   o.whole_step_graph = !flag("DIFFGEMMA_TEST_LAYER_GRAPH");
+  const char* dense = std::getenv("DIFFGEMMA_TEST_DENSE_TMA");
+  o.dense_tma = dense != nullptr && (std::strcmp(dense, "1") == 0 || std::strcmp(dense, "2") == 0);
+  if (o.dense_tma) o.dense_tma_cluster = std::strcmp(dense, "2") == 0 ? 2 : 1;
   static const bool said = [&] {
     if (!o.padded_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::padded_experts off (grouped experts)\n");
     if (!o.fused_router) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_router off (cuBLASLt router)\n");
@@ -42,6 +46,7 @@ inline dg::CudaOptions cuda_test_options() {
     if (!o.fused_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_experts off\n");
     if (!o.pack_expert_gate_up) std::fprintf(stderr, "[cuda tests] expert weights unpacked (checkpoint layout)\n");
     if (!o.whole_step_graph) std::fprintf(stderr, "[cuda tests] CudaOptions::whole_step_graph off\n");
+    if (o.dense_tma) std::fprintf(stderr, "[cuda tests] CudaOptions::dense_tma on, clusters of %d\n", o.dense_tma_cluster);
     return true;
   }();
   (void)said;

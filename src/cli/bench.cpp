@@ -56,9 +56,8 @@ struct BenchArgs {
   int tma_stages = 3;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
   bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false,
-       overflow_on_side = false, dense_down_side_plan = false, f32_expert_rows = false, no_dense_tma = false;
+       overflow_on_side = false, dense_down_side_plan = false, f32_expert_rows = false, dense_tma = false;
   int dense_tma_cluster = 1;  // CudaOptions::dense_tma_cluster
-  int dense_tma_prefetch = 0;  // cuda::dense_tma_set_prefetch
   int tma_l2_promotion = 256;  // CudaOptions::tma_weight_l2_promotion
   int fixed_steps = 16, e2e_prompt = 4096, e2e_tokens = 256;
   bool sc_sparse = false;  // CudaOptions::sc_sparse
@@ -185,9 +184,8 @@ int run_bench(const BenchArgs& args) {
   opt.overflow_stream = !args.overflow_on_side;
   opt.dense_down_all_sms = !args.dense_down_side_plan;
   opt.bf16_expert_rows = !args.f32_expert_rows;
-  opt.dense_tma = !args.no_dense_tma;
+  opt.dense_tma = args.dense_tma;
   opt.dense_tma_cluster = args.dense_tma_cluster;
-  cuda::dense_tma_set_prefetch(args.dense_tma_prefetch);
   opt.graph_memset_kernels = !args.graph_memset_nodes;
   opt.narrow_assignment = !args.wide_assignment;
   opt.tma_weight_l2_promotion = args.tma_l2_promotion;
@@ -245,9 +243,8 @@ int run_bench(const BenchArgs& args) {
   out["overflow_stream"] = !args.overflow_on_side;
   out["dense_down_all_sms"] = !args.dense_down_side_plan;
   out["bf16_expert_rows"] = !args.f32_expert_rows;
-  out["dense_tma"] = !args.no_dense_tma;
+  out["dense_tma"] = args.dense_tma;
   out["dense_tma_cluster"] = args.dense_tma_cluster;
-  out["dense_tma_prefetch"] = args.dense_tma_prefetch;
   out["narrow_assignment"] = !args.wide_assignment;
   out["tma_l2_promotion"] = args.tma_l2_promotion;
   out["tma_gather_rows"] = !args.no_tma_gather;
@@ -531,17 +528,13 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--dense-down-side-plan", a->dense_down_side_plan,
                                     "A/B: the dense MLP's down GEMM planned for --dense-mlp-sms SMs like its up "
                                     "GEMM instead of for every SM (CudaOptions::dense_down_all_sms off)");
-                       sub.add_flag("--no-dense-tma", a->no_dense_tma,
-                                    "A/B: denoise passes' qkv and o_proj GEMMs on cuBLASLt instead of the split-K "
-                                    "Hopper kernel (CudaOptions::dense_tma off)");
+                       sub.add_flag("--dense-tma", a->dense_tma,
+                                    "A/B: denoise passes' qkv and o_proj GEMMs on the split-K Hopper kernel instead "
+                                    "of cuBLASLt (CudaOptions::dense_tma)");
                        sub.add_option("--dense-tma-cluster", a->dense_tma_cluster,
                                       "blocks a cluster of the split-K qkv / o_proj kernel, 1 or 2 "
                                       "(CudaOptions::dense_tma_cluster)")
                            ->check(CLI::IsMember({1, 2}));
-                       sub.add_option("--dense-tma-prefetch", a->dense_tma_prefetch,
-                                      "k slices ahead of its ring the split-K qkv / o_proj kernel requests weights "
-                                      "into L2 (0: none)")
-                           ->check(CLI::NonNegativeNumber);
                        sub.add_flag("--f32-expert-rows", a->f32_expert_rows,
                                     "A/B: denoise passes keep the experts' output rows in f32 instead of bf16 "
                                     "(CudaOptions::bf16_expert_rows off)");

@@ -216,19 +216,6 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
             });
         add("GEMM o_proj dense TMA" + tag + ctag, std::to_string(so) + " splits", ob, of,
             [=](cudaStream_t st) { cuda::dense_tma_splitk(wom, xo, T, H, nh * D, so, cl, part, st); });
-        for (const int pf : {4}) {  // the weights' L2 prefetch distance (default 0)
-          const std::string ptag = ctag + ", L2 prefetch " + std::to_string(pf);
-          add("GEMM qkv dense TMA" + tag + ptag, std::to_string(sq) + " splits", qb, qf, [=](cudaStream_t st) {
-            cuda::dense_tma_set_prefetch(pf);
-            cuda::dense_tma_splitk(wq, xq, T, nqkv, H, sq, cl, part, st);
-            cuda::dense_tma_set_prefetch(0);
-          });
-          add("GEMM o_proj dense TMA" + tag + ptag, std::to_string(so) + " splits", ob, of, [=](cudaStream_t st) {
-            cuda::dense_tma_set_prefetch(pf);
-            cuda::dense_tma_splitk(wom, xo, T, H, nh * D, so, cl, part, st);
-            cuda::dense_tma_set_prefetch(0);
-          });
-        }
         add("GEMM o_proj dense TMA + splits to bf16" + tag + ctag, std::to_string(so) + " splits", ob, of,
             [=](cudaStream_t st) {
               cuda::dense_tma_splitk(wom, xo, T, H, nh * D, so, cl, part, st);

@@ -102,8 +102,10 @@ struct CudaOptions {
   // launched with PDL so the weight stream starts during the predecessor's tail) instead of cuBLASLt, which cannot
   // be PDL-launched. Only where the split-K grid fills the GPU in one wave with at least two splits (the full layers'
   // qkv, 72 weight tiles, stays on cuBLASLt). dense_tma_cluster: blocks a cluster (1 or 2) that share the token
-  // loads. A/B: bench --no-dense-tma, --dense-tma-cluster.
-  bool dense_tma = true;
+  // loads. Off: slower than cuBLASLt (H200, session 16: qkv 23.1 vs 19.8 us alone, o_proj 16.0 vs 14.0; 4K step
+  // 15.78 vs 15.59 ms in the same call; docs/PERFORMANCE.md). Same math either way (the parity tests pass with it on).
+  // A/B: bench --dense-tma, --dense-tma-cluster.
+  bool dense_tma = false;
   int dense_tma_cluster = 1;
   // With overlap_dense_mlp and the masked gate_up: the side stream's assignment (moe_assign_padded) as one block of
   // 256 threads instead of 1024, so that it fits beside the expert kernel's blocks (their registers leave ~23K an SM)

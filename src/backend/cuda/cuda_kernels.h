@@ -286,9 +286,6 @@ TmaMap dense_tma_weight_map(const bf16* w, int N, int K);
 TmaMap dense_tma_token_map(const bf16* x, int T, int K, int cluster);
 void dense_tma_splitk(const TmaMap& w, const TmaMap& x, int T, int N, int K, int splits, int cluster, float* part,
                       cudaStream_t s);
-// A/B (bench --dense-tma-prefetch): how many k slices ahead of its ring dense_tma_splitk requests weights into L2
-// (default 8; 0: none). The same results.
-void dense_tma_set_prefetch(int slices);
 // out[t][n] = bf16(sum over s in order of part[(s T + t) N + n]).
 void dense_splits_to_bf16(const float* part, int splits, int T, int N, bf16* out, cudaStream_t s);
 // The padded path's expert GEMMs on TMA + wgmma, for the rows t < rows[e] of each expert's 32-row block (rows =

@@ -14,6 +14,15 @@
 // tiles, the same k range) each block loads half of it and multicasts it to both, which halves the token traffic
 // from L2. Grid: (N / 128) x splits blocks in one wave. Every output element is one block's fixed-order sum, and
 // the readers add the splits in order: bitwise deterministic.
+//
+// Status (H200, session 16, bench-kernels; docs/PERFORMANCE.md): slower than cuBLASLt, so CudaOptions::dense_tma is
+// off. qkv (sliding, 2 splits) 23.1 vs 19.8 us, o_proj 16.0 vs 14.0 (sliding), 22.8 vs 22.5 (full); clusters of 2
+// 24.2 / 17.4 us. ncu of the qkv launch: the consumers wait on the full barriers (34% of stall samples) with DRAM at
+// 43% and L2 at 64% of peak: the 4-stage ring (all the shared memory) does not keep enough of the stream in flight.
+// L2 prefetch of the weights ahead of the ring and k rotation between tiles were slower. In the 4K step: 15.78 vs
+// 15.59 ms (the PDL start does not make up for it). What it would take: more bytes in flight per SM (cluster
+// multicast that does not lockstep the pair, or a deeper ring of narrower k slices); then the q/k norm + rope could
+// move into the qkv epilogue (a tile of 128 weight rows is half a head of 256).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -42,7 +51,6 @@ constexpr int kThreads = 288;
 constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStages * 16;
 static_assert(kWBytes % 1024 == 0 && kXBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte alignment");
 static_assert(2 * kTok * (64 + 4) * 4 <= kStages * kStageBytes, "the epilogue's staged tile fits the ring");
-int g_prefetch = 0;  // dense_tma_set_prefetch
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DG_DENSE_TMA 1
@@ -51,16 +59,13 @@ using namespace hopper;
 
 // part[(split T + t) N + n] = sum over k in the split's range of x[t][k] w[n][k] (t < T). tmW: W [N, K], box {64,
 // 128}; tmX: X [T, K], box {64, 256 / CL} (rows past T zero-filled by the TMA unit).
-// prefetch: the weight box of k slice kt + prefetch is requested into L2 as slice kt is loaded (0: none), so that
-// more of the weight stream is in flight than the shared-memory ring holds.
 template <int CL>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX, int T, int N, int K,
-                int splits, float* __restrict__ part, int prefetch) {
+                int splits, float* __restrict__ part) {
 #if defined(DG_DENSE_TMA)
   const int n_tiles = N / kWRows, tile = int(blockIdx.x) % n_tiles, split = int(blockIdx.x) / n_tiles;
   const int nkb = K / kBK, kb0 = split * nkb / splits, kb1 = (split + 1) * nkb / splits, nk = kb1 - kb0;
-  auto kslice = [&](int kt) { return kb0 + kt; };
   extern __shared__ unsigned char smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t full0 = base + kStages * kStageBytes, empty0 = full0 + 8 * kStages;
@@ -96,11 +101,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int npre = nk < kStages ? nk : kStages;
       for (int kt = 0; kt < npre; ++kt) {
         mbar_arrive_expect_tx(full0 + 8 * kt, kStageBytes);
-        tma_load_2d(base + uint32_t(kt) * kStageBytes, &tmW, kslice(kt) * kBK, tile * kWRows, full0 + 8 * kt,
+        tma_load_2d(base + uint32_t(kt) * kStageBytes, &tmW, (kb0 + kt) * kBK, tile * kWRows, full0 + 8 * kt,
                     evict_first);
       }
-      // The L2 prefetches of the slices after them, up to `prefetch` ahead of the ring's loads.
-      for (int kt = npre; kt < nk && kt < npre + prefetch; ++kt) tma_prefetch_l2_2d(&tmW, kslice(kt) * kBK, tile * kWRows);
       pdl_wait();  // the token rows (the predecessor's output) are final now
       for (int kt = 0; kt < nk; ++kt) {
         const int s = kt % kStages;
@@ -110,15 +113,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           // into the peer's ring as well)
           mbar_wait(empty0 + 8 * s, ((kt / kStages) & 1u) ^ 1u);
           mbar_arrive_expect_tx(full, kStageBytes);
-          tma_load_2d(st, &tmW, kslice(kt) * kBK, tile * kWRows, full, evict_first);
-          if (prefetch > 0 && kt + prefetch < nk) tma_prefetch_l2_2d(&tmW, kslice(kt + prefetch) * kBK, tile * kWRows);
+          tma_load_2d(st, &tmW, (kb0 + kt) * kBK, tile * kWRows, full, evict_first);
         }
         if constexpr (CL > 1) {
           constexpr int kHalf = kTok / CL;
-          tma_load_2d_multicast(st + kWBytes + rank * uint32_t(kHalf * kBK * 2), &tmX, kslice(kt) * kBK,
+          tma_load_2d_multicast(st + kWBytes + rank * uint32_t(kHalf * kBK * 2), &tmX, (kb0 + kt) * kBK,
                                 int(rank) * kHalf, full, uint16_t((1u << CL) - 1u), evict_last);
         } else {
-          tma_load_2d(st + kWBytes, &tmX, kslice(kt) * kBK, 0, full, evict_last);
+          tma_load_2d(st + kWBytes, &tmX, (kb0 + kt) * kBK, 0, full, evict_last);
         }
       }
     }
@@ -283,12 +285,10 @@ void dense_tma_splitk(const TmaMap& w, const TmaMap& x, int T, int N, int K, int
   }
   cfg.attrs = at, cfg.numAttrs = unsigned(na);
   if (cl == 2)
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<2>, mw, mx, T, N, K, splits, part, g_prefetch));
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<2>, mw, mx, T, N, K, splits, part));
   else
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<1>, mw, mx, T, N, K, splits, part, g_prefetch));
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, dense_tma_k<1>, mw, mx, T, N, K, splits, part));
 }
-
-void dense_tma_set_prefetch(int slices) { g_prefetch = std::max(0, slices); }
 
 TmaMap dense_tma_weight_map(const bf16* w, int N, int K) { return tma_map_bf16_rows(w, N, K, kWRows); }
 TmaMap dense_tma_token_map(const bf16* x, int T, int K, int cluster) {
