@@ -100,22 +100,25 @@ void expect_bf16_rounding(const std::vector<float>& f, const std::vector<bf16>& 
   EXPECT_GT(written, 0u) << what;
 }
 
+// The vector path (H % 8 == 0) and the scalar one (H 70).
 TEST(CudaKernels, EmbedScale) {
   REQUIRE_GPU();
-  const int V = 37, H = 72, T = 13;
-  auto E = rnd(size_t(V) * H);
-  Dev<bf16> dE(E.size());
-  dE.put(to_bf16(E));
-  std::vector<int32_t> ids(T);
-  for (auto& i : ids) i = int32_t(rng() % V);
-  Dev<int32_t> dids(T);
-  dids.put(ids);
-  Dev<float> out(size_t(T) * H);
-  embed_scale(dids.p, T, dE.p, H, 3.5f, out.p, nullptr);
-  std::vector<float> want(out.n);
-  for (int t = 0; t < T; ++t)
-    for (int i = 0; i < H; ++i) want[size_t(t) * H + i] = E[size_t(ids[t]) * H + i] * 3.5f;
-  EXPECT_LE(rel_err(out.get(), want), 1e-7);
+  for (const int H : {72, 70, 2816}) {
+    const int V = 37, T = 13;
+    auto E = rnd(size_t(V) * H);
+    Dev<bf16> dE(E.size());
+    dE.put(to_bf16(E));
+    std::vector<int32_t> ids(T);
+    for (auto& i : ids) i = int32_t(rng() % V);
+    Dev<int32_t> dids(T);
+    dids.put(ids);
+    Dev<float> out(size_t(T) * H);
+    embed_scale(dids.p, T, dE.p, H, 3.5f, out.p, nullptr);
+    std::vector<float> want(out.n);
+    for (int t = 0; t < T; ++t)
+      for (int i = 0; i < H; ++i) want[size_t(t) * H + i] = E[size_t(ids[t]) * H + i] * 3.5f;
+    EXPECT_LE(rel_err(out.get(), want), 1e-7) << "H " << H;
+  }
 }
 
 // copy_words into mapped pinned host memory (the whole-step graph's statistics) and device to device, at sizes that
