@@ -187,16 +187,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-__global__ void dense_splits_to_bf16_k(const float* __restrict__ part, int splits, size_t n, bf16* __restrict__ out) {
-  pdl_wait();
-  pdl_trigger();
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    float v = part[i];
-    for (int s = 1; s < splits; ++s) v += part[size_t(s) * n + i];
-    out[i] = __float2bfloat16(v);
-  }
-}
-
 // Sets the kernel's shared memory; max_resident: the blocks (CL 1) or clusters that can be resident at once.
 template <int CL>
 bool configure(int& max_resident) {
@@ -293,14 +283,6 @@ void dense_tma_splitk(const TmaMap& w, const TmaMap& x, int T, int N, int K, int
 TmaMap dense_tma_weight_map(const bf16* w, int N, int K) { return tma_map_bf16_rows(w, N, K, kWRows); }
 TmaMap dense_tma_token_map(const bf16* x, int T, int K, int cluster) {
   return tma_map_bf16_rows(x, T, K, kTok / dense_tma_cluster(cluster));
-}
-
-void dense_splits_to_bf16(const float* part, int splits, int T, int N, bf16* out, cudaStream_t s) {
-  const size_t n = size_t(T) * size_t(N);
-  if (n == 0) return;
-  const unsigned grid = unsigned(std::min<size_t>((n + 255) / 256, size_t(sm_count()) * 8));
-  launch_pdl(dense_splits_to_bf16_k, dim3(grid), dim3(256), 0, s, part, splits, n, out);
-  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace dg::cuda

@@ -516,6 +516,17 @@ __device__ __forceinline__ void better(float& bv, int& bi, float v, int i) {
   if (v > bv || (v == bv && i < bi)) bv = v, bi = i;
 }
 
+// dense_splits_to_bf16: split-K partials (kernels_dense_tma.cu) summed in order, rounded to bf16.
+__global__ void dense_splits_to_bf16_k(const float* __restrict__ part, int splits, size_t n, bf16* __restrict__ out) {
+  pdl_wait();
+  pdl_trigger();
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    float v = part[i];
+    for (int s = 1; s < splits; ++s) v += part[size_t(s) * n + i];
+    out[i] = __float2bfloat16(v);
+  }
+}
+
 // ---- softcap + row statistics (+ SC probs) ----
 // Three launches over [rows, V] (was one 1024-thread block per row with three passes over the row, exp in double:
 // 0.556 ms at 256 x 262144 on the H200, 0.339 with probs for the first tiled version of this, which
@@ -1068,6 +1079,14 @@ void fill_uniform_bf16(bf16* p, size_t n, uint64_t seed, float scale, float offs
 void fill_uniform_f32(float* p, size_t n, uint64_t seed, float scale, float offset, cudaStream_t s) {
   if (n == 0) return;
   fill_f32_k<<<grid_for(n), 256, 0, s>>>(p, n, seed, scale, offset);
+  CUDA_CHECK_LAUNCH();
+}
+
+void dense_splits_to_bf16(const float* part, int splits, int T, int N, bf16* out, cudaStream_t s) {
+  const size_t n = size_t(T) * size_t(N);
+  if (n == 0) return;
+  const unsigned grid = unsigned(std::min<size_t>((n + 255) / 256, size_t(sm_count()) * 8));
+  launch_pdl(dense_splits_to_bf16_k, dim3(grid), dim3(256), 0, s, part, splits, n, out);
   CUDA_CHECK_LAUNCH();
 }
 
