@@ -98,9 +98,10 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
 }
 // Keeps the compiler from moving accesses of the accumulators across wgmma issue / wait (CUTLASS's
 // warpgroup_fence_operand).
-__device__ __forceinline__ void fence_acc(float (&d)[16]) {
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&d)[N]) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 // D[64 x 32] f32 += A[64 x 16] * B[16 x 32]: A and B K-major in shared memory (descriptors da, db), no transposes,
 // scale-d 1 (accumulate: the caller zeroes the accumulators).
@@ -114,11 +115,6 @@ __device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t da, uin
       : "l"(da), "l"(db), "r"(1));
 }
 
-// fence_acc for the 128 accumulators of wgmma_m64n256k16.
-__device__ __forceinline__ void fence_acc(float (&d)[128]) {
-#pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
 // D[64 x 256] f32 += A[64 x 16] * B[16 x 256]: A (weights) and B (tokens) K-major in shared memory (descriptors da,
 // db), no transposes, accumulate (the caller zeroes the accumulators).
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db) {
