@@ -47,7 +47,8 @@ bool sm90a_image_of(Kernel kernel) {
   return compute_major() == 9 && fa.binaryVersion == 90;
 }
 
-// kernel<<<grid, block, smem, s>>>(args...) with the PDL attribute (and cluster dimensions when cluster_x > 1).
+// kernel<<<grid, block, smem, s>>>(args...) with the PDL attribute. (Clustered launches set their own attributes:
+// kernels_dense_tma.cu.)
 template <class... KArgs, class... Args>
 void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args) {
   cudaLaunchConfig_t cfg{};
