@@ -9,6 +9,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu_ops.h"
@@ -238,6 +239,41 @@ TEST(CudaKernels, RmsNormVariants) {
     for (size_t i = 0; i < h.size(); ++i) h[i] += an[i];
     add_rms_norm(dx.p, da.p, rows, n, dw.p, eps, nullptr);
     EXPECT_LE(rel_err(dx.get(), h), 1e-5) << "n " << n;
+
+    // the SC prologue's fused pairs, bitwise against the two launches they replace (and the first against the CPU)
+    auto rs = rnd(rows, 0.01f, 5.0f);
+    Dev<float> drs(rows), ds(x.size()), dh2(x.size());
+    drs.put(rs);
+    for (bool per_row : {true, false}) {
+      const float scale = 53.0f;
+      dx.put(x);
+      scaled_rms_norm_f32_to_bf16(dx.p, rows, n, per_row ? drs.p : nullptr, scale, dw.p, eps, y16.p, nullptr);
+      const auto fused = y16.get();
+      ds.put(x);
+      if (per_row)
+        scale_rows_f32(ds.p, rows, n, drs.p, scale, ds.p, nullptr);
+      else
+        scale_f32(ds.p, x.size(), scale, ds.p, nullptr);
+      rms_norm_f32_to_bf16(ds.p, rows, n, dw.p, eps, y16.p, nullptr);
+      EXPECT_EQ(std::memcmp(fused.data(), y16.get().data(), fused.size() * 2), 0) << "n " << n << " per_row " << per_row;
+      std::vector<float> xs = x, want_s(x.size());
+      for (int r = 0; r < rows; ++r)
+        for (int i = 0; i < n; ++i) xs[size_t(r) * n + i] *= (per_row ? rs[size_t(r)] : 1.0f) * scale;
+      cpu::rms_norm(xs.data(), rows, n, w.data(), eps, want_s.data());
+      EXPECT_LE(rel_err(from_bf16(fused), want_s), 8e-3);
+    }
+    for (const float* wn : {static_cast<const float*>(nullptr), static_cast<const float*>(dw.p)}) {
+      dx.put(x), dh2.put(x);
+      add_then_rms_norm(dx.p, da.p, rows, n, wn, eps, nullptr);
+      add_bf16_to_f32(dh2.p, da.p, x.size(), nullptr);
+      rms_norm_f32_to_f32(dh2.p, rows, n, wn, eps, dh2.p, nullptr);
+      EXPECT_EQ(std::memcmp(dx.get().data(), dh2.get().data(), x.size() * 4), 0) << "n " << n;
+      std::vector<float> hs(x.size()), want_h(x.size());
+      const auto ab = from_bf16(to_bf16(a));
+      for (size_t i = 0; i < hs.size(); ++i) hs[i] = x[i] + ab[i];
+      cpu::rms_norm(hs.data(), rows, n, wn ? w.data() : nullptr, eps, want_h.data());
+      EXPECT_LE(rel_err(dx.get(), want_h), 1e-5) << "n " << n;
+    }
   }
 }
 
@@ -1580,6 +1616,79 @@ TEST(CudaKernels, SoftcapRowStats) {
   EXPECT_ANY_THROW(softcap_row_stats(dl.p, 1, 0, 30.0f, 1.0f, st.p, scratch.p, nullptr));
   EXPECT_ANY_THROW(softcap_row_stats(dl.p, 1, 8, 30.0f, 0.0f, st.p, scratch.p, nullptr));
   EXPECT_ANY_THROW(softcap_row_stats(dl.p, 1, 8, 30.0f, 1.0f, st.p, nullptr, nullptr));
+}
+
+// The fused SC probs (probs_row_scale): the same stats bits as the unfused pass, probs[r, :] * scale[r] equal to the
+// unfused normalized probs to bf16 rounding, and rows whose max lies too far below cap / T rewritten with exactly the
+// unfused probs (scale 1).
+TEST(CudaKernels, SoftcapRowStatsFusedProbs) {
+  REQUIRE_GPU();
+  struct Case {
+    int rows, V;
+    float T;
+  };
+  for (Case c : {Case{4, 5003, 0.61f}, Case{3, 20004, 0.4f}, Case{2, 262144, 0.8f}, Case{5, 8193, 0.4f}}) {
+    const int rows = c.rows, V = c.V;
+    const float T = c.T, cap = 30.0f;
+    auto logits = rnd(size_t(rows) * V, -60, 60);
+    // row 1: every capped logit <= ~3, so at T 0.4 (cap / T = 75) its max is > 60 below: the exact fallback
+    for (int i = 0; i < V; ++i) logits[size_t(V) + size_t(i)] = -40.0f + 43.0f * float(i % 97) / 96.0f;
+    if (rows >= 3) logits[size_t(2) * V + size_t(V - 1)] = 500.0f;  // row 2: near one-hot, last token
+    if (rows >= 5)  // row 4: flat at the softcap floor (max -30 / T)
+      for (int i = 0; i < V; ++i) logits[size_t(4) * V + size_t(i)] = -1000.0f;
+    for (bool write_capped : {true, false}) {
+      auto plain = run_row_stats(logits, rows, V, cap, T, write_capped);
+      Dev<float> dl{logits.size()}, scale{size_t(rows)};
+      Dev<DeviceRowStats> st{size_t(rows)};
+      Dev<bf16> probs(logits.size());
+      Dev<char> scratch(softcap_row_stats_scratch_bytes(rows, V));
+      auto fused_run = [&] {
+        dl.put(logits);
+        softcap_row_stats(dl.p, rows, V, cap, T, st.p, scratch.p, nullptr, probs.p, write_capped, scale.p);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        return std::make_tuple(dl.get(), st.get(), probs.get(), scale.get());
+      };
+      auto [capped, stats, u, sc] = fused_run();
+      EXPECT_EQ(std::memcmp(capped.data(), plain.capped.data(), capped.size() * 4), 0) << "V " << V;
+      EXPECT_EQ(std::memcmp(stats.data(), plain.stats.data(), stats.size() * sizeof(DeviceRowStats)), 0) << "V " << V;
+      const auto uf = from_bf16(u), pf = from_bf16(plain.probs);
+      for (int r = 0; r < rows; ++r) {
+        const double gap = double(cap / T) - double(stats[size_t(r)].max_z);
+        const bool exact = gap > 60.0;
+        if (T == 0.4f && r == 1) {
+          EXPECT_TRUE(exact) << "row 1 should take the fallback, gap " << gap;
+        }
+        if (r == 0) {
+          EXPECT_FALSE(exact) << "row 0 should be fused, gap " << gap;
+        }
+        if (exact) {
+          EXPECT_EQ(sc[size_t(r)], 1.0f) << "row " << r << " V " << V;
+          EXPECT_EQ(std::memcmp(u.data() + size_t(r) * V, plain.probs.data() + size_t(r) * V, size_t(V) * 2), 0)
+              << "fallback row " << r << " V " << V;
+          continue;
+        }
+        EXPECT_NEAR(double(sc[size_t(r)]), std::exp(gap) * double(stats[size_t(r)].inv_sum),
+                    1e-5 * double(sc[size_t(r)]))
+            << "row " << r;
+        // each token within two bf16 ulps of the unfused value (both are roundings of the same softmax), apart from
+        // the tokens so far below the max that they weigh nothing
+        int bad = 0;
+        double mass_u = 0, mass_p = 0;
+        for (int i = 0; i < V; ++i) {
+          const double a = double(uf[size_t(r) * V + i]) * sc[size_t(r)];
+          const double b = pf[size_t(r) * V + i];
+          mass_u += a, mass_p += b;
+          if (b > 1e-12 && std::fabs(a - b) > b * (2.0 / 256)) ++bad;
+        }
+        EXPECT_EQ(bad, 0) << "row " << r << " V " << V << " T " << T;
+        EXPECT_NEAR(mass_u, mass_p, 1e-3 * mass_p) << "row " << r;
+      }
+      // bitwise deterministic
+      auto [capped2, stats2, u2, sc2] = fused_run();
+      EXPECT_EQ(std::memcmp(u2.data(), u.data(), u.size() * 2), 0) << "V " << V;
+      EXPECT_EQ(std::memcmp(sc2.data(), sc.data(), sc.size() * 4), 0) << "V " << V;
+    }
+  }
 }
 
 // Host oracle of sc_survivors for one row of capped logits with the given max_z / inv_sum.

@@ -47,6 +47,7 @@ struct BenchArgs {
   bool no_attn_q_tma = false;     // cuda::set_attention_q_tma(false)
   bool no_softmax_reverse = false;  // cuda::set_softmax_rows_reverse(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
+  bool no_fused_sc_probs = false;  // CudaOptions::fused_sc_probs = false
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
@@ -166,6 +167,7 @@ int run_bench(const BenchArgs& args) {
   opt.overlap_dense_mlp = !args.no_overlap;
   opt.fused_router = !args.cublas_router;
   opt.gemm_attention = !args.no_gemm_attention;
+  opt.fused_sc_probs = !args.no_fused_sc_probs;
   if (args.dense_mlp_sms >= 0) opt.dense_mlp_sms = args.dense_mlp_sms;
   opt.tma_experts = !args.cublas_experts;
   opt.tma_experts_down = args.tma_experts_down;
@@ -244,6 +246,7 @@ int run_bench(const BenchArgs& args) {
   out["dense_down_all_sms"] = !args.dense_down_side_plan;
   out["bf16_expert_rows"] = !args.f32_expert_rows;
   out["dense_tma"] = args.dense_tma;
+  out["fused_sc_probs"] = !args.no_fused_sc_probs;
   out["dense_tma_cluster"] = args.dense_tma_cluster;
   out["narrow_assignment"] = !args.wide_assignment;
   out["tma_l2_promotion"] = args.tma_l2_promotion;
@@ -478,6 +481,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--router-tc", a->router_tc,
                                     "A/B: the router's partial logits as 3xTF32 on the tensor cores instead of f32 "
                                     "FMAs (cuda::set_router_tensor_cores)");
+                       sub.add_flag("--no-fused-sc-probs", a->no_fused_sc_probs,
+                                    "A/B: the SC probs by a second pass over the logits instead of the row-statistics "
+                                    "pass (CudaOptions::fused_sc_probs = false)");
                        sub.add_flag("--no-gemm-attention", a->no_gemm_attention,
                                     "A/B: the full layers' denoise attention on the fused kernel instead of two "
                                     "cuBLASLt GEMMs around a softmax (CudaOptions::gemm_attention = false)");

@@ -448,6 +448,14 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
       });
   add("softcap_row_stats + probs", std::to_string(T) + " x " + std::to_string(V), double(T) * V * 10, 0,
       [=](cudaStream_t st) { cuda::softcap_row_stats(logits, T, V, 30.0f, 0.8f, stats, scratch, st, probs); });
+  float* probs_scale = ar.take<float>(T);
+  // As the step runs them: the logits left uncapped (nothing reads them back), the probs from a second pass or fused
+  add("softcap_row_stats + probs, logits kept", std::to_string(T) + " x " + std::to_string(V), double(T) * V * 10, 0,
+      [=](cudaStream_t st) { cuda::softcap_row_stats(logits, T, V, 30.0f, 0.8f, stats, scratch, st, probs, false); });
+  add("softcap_row_stats + fused probs, logits kept", std::to_string(T) + " x " + std::to_string(V),
+      double(T) * V * 6, 0, [=](cudaStream_t st) {
+        cuda::softcap_row_stats(logits, T, V, 30.0f, 0.8f, stats, scratch, st, probs, false, probs_scale);
+      });
   add("softmax_rows_bf16", std::to_string(T) + " x " + std::to_string(V), double(T) * V * 6, 0,
       [=](cudaStream_t st) { cuda::softmax_rows_bf16(logits, T, V, 0.8f, probs, st); });
   add("GEMM SC soft embedding (probs . E)", std::to_string(T) + "x" + std::to_string(V) + " . " + std::to_string(V) +

@@ -68,6 +68,7 @@ struct Scratch {
                                    // zeroed by every launch
   cuda::DeviceRowStats* stats;
   void* row_stats_scratch;     // softcap_row_stats partials
+  float* probs_scale;          // [canvas] the probs' row factors (CudaOptions::fused_sc_probs)
   cuda::ScSurvivorBuffers sc;  // sparse SC survivors (CudaOptions::sc_sparse only)
   float* attn_S;               // gemm attention: [nh][canvas_length][attn_ld] scores
   bf16* attn_P;                // and probabilities
@@ -714,12 +715,16 @@ class CudaBackend final : public Backend {
     }
     const float eps = cfg_.rms_norm_eps;
     if (have_signal) {
-      if (req.self_condition != SelfCondition::CanvasEmbedding) cuda::scale_f32(s_.sig, size_t(L) * H, sqrt_h, s_.sig, stream_);
-      cuda::rms_norm_f32_to_bf16(s_.sig, L, H, weights_->sc_pre_norm_, eps, s_.x, stream_);
+      // sig * sqrt(H) (times the fused probs' row factors), then the SC pre-norm, in one pass
+      const bool row_scaled = req.self_condition == SelfCondition::PreviousStep && previous_probs_scaled();
+      const float sig_scale = req.self_condition == SelfCondition::CanvasEmbedding ? 1.0f : sqrt_h;
+      cuda::scaled_rms_norm_f32_to_bf16(s_.sig, L, H, row_scaled ? s_.probs_scale : nullptr, sig_scale,
+                                        weights_->sc_pre_norm_, eps, s_.x, stream_);
       gated_mlp(s_.x, L, weights_->sc_gu_, weights_->sc_down_, cfg_.intermediate_size, s_.a);
-      cuda::add_bf16_to_f32(s_.h, s_.a, size_t(L) * H, stream_);
+      cuda::add_then_rms_norm(s_.h, s_.a, L, H, nullptr, eps, stream_);  // h = no-scale norm(h + SC MLP)
+    } else {
+      cuda::rms_norm_f32_to_f32(s_.h, L, H, nullptr, eps, s_.h, stream_);
     }
-    cuda::rms_norm_f32_to_f32(s_.h, L, H, nullptr, eps, s_.h, stream_);
     mark(kStEmbedSc);
     if (trace_) {
       trace_->stages.clear(), trace_->router_logits.clear(), trace_->experts.clear();
@@ -742,7 +747,8 @@ class CudaBackend final : public Backend {
     // survivors): a 268 MB write at the full shape, ~50 us.
     const bool capped_read = req.want_logits || opt_.sc_sparse;
     cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats,
-                            s_.row_stats_scratch, stream_, s_.probs, capped_read);
+                            s_.row_stats_scratch, stream_, s_.probs, capped_read,
+                            opt_.fused_sc_probs ? s_.probs_scale : nullptr);
     // Survivors of the next step's sparse SC, with the counts / dropped mass that decide whether it may use them.
     if (opt_.sc_sparse) cuda::sc_survivors(s_.logits, L, V, req.temperature, s_.stats, s_.sc, stream_);
     if (capturing) {
@@ -817,6 +823,9 @@ class CudaBackend final : public Backend {
       probs_through_table(L);
     if (opt_.sc_sparse && opt_.sc_stats) ++(sparse ? opt_.sc_stats->sparse_steps : opt_.sc_stats->dense_steps);
   }
+  // Whether the previous step's SC signal (probs @ E) still needs its rows' factors: fused probs on the dense path
+  // (the sparse gather uses normalized p).
+  bool previous_probs_scaled() const { return opt_.fused_sc_probs && !(opt_.sc_sparse && prev_sc_sparse_ok_); }
   void probs_through_table(int L) {
     gemm_->through_table(s_.probs, Dt::BF16, L, weights_->embed_, Dt::BF16, cfg_.vocab_size, cfg_.hidden_size, s_.sig,
                          Dt::F32, stream_);
@@ -1169,6 +1178,7 @@ class CudaBackend final : public Backend {
     s_.slot_token = ar.take<int32_t>(E * size_t(cuda::moe_padded_rows_per_expert(int(Lc), int(K), int(E))));
     s_.stats = ar.take<cuda::DeviceRowStats>(Lc);
     s_.row_stats_scratch = ar.take<char>(cuda::softcap_row_stats_scratch_bytes(int(Lc), int(V)));
+    s_.probs_scale = ar.take<float>(Lc);
     if (opt_.sc_sparse) {
       const size_t tiles = size_t(cuda::sc_tiles(int(V))), slots = Lc * tiles * cuda::kScTileSlots;
       s_.sc.ids = ar.take<int32_t>(slots);

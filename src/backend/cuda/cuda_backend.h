@@ -107,6 +107,11 @@ struct CudaOptions {
   // A/B: bench --dense-tma, --dense-tma-cluster.
   bool dense_tma = false;
   int dense_tma_cluster = 1;
+  // The next step's SC probs written by the row-statistics pass itself, unnormalized against cap / T, with the
+  // per-row factor applied to the SC GEMM's output (softcap_row_stats' probs_row_scale), instead of a second pass that
+  // reads the 268 MB of logits again (the full shape). Same math to bf16 rounding (the probs are rounded at another
+  // scale). A/B: bench --no-fused-sc-probs.
+  bool fused_sc_probs = true;
   // With overlap_dense_mlp and the masked gate_up: the side stream's assignment (moe_assign_padded) as one block of
   // 256 threads instead of 1024, so that it fits beside the expert kernel's blocks (their registers leave ~23K an SM)
   // and runs while the experts stream instead of after them. Same results. H200, 4K step (docs/BENCHMARKS.md,

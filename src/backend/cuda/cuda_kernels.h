@@ -27,6 +27,12 @@ int memset_nodes_as_kernels(cudaGraph_t graph);
 // y = x * (mean(x^2) + eps)^-1/2 * w  (w == nullptr: no scale); one row of n per block. Any in/out types.
 void rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* w, float eps, bf16* y, cudaStream_t s);
 void rms_norm_f32_to_f32(const float* x, int rows, int n, const float* w, float eps, float* y, cudaStream_t s);
+// y = rms_norm(x * f; w) with f = (row_scale ? row_scale[r] : 1) * scale per row r: the same bits as scale_rows_f32 /
+// scale_f32 in place then rms_norm_f32_to_bf16, in one pass where the width allows (x is left as it was then).
+void scaled_rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* row_scale, float scale, const float* w,
+                                 float eps, bf16* y, cudaStream_t s);
+// h = rms_norm(h + a; w): the same bits as add_bf16_to_f32 then rms_norm_f32_to_f32 in place, in one pass.
+void add_then_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s);
 // h += rms_norm(a; w)  (post-attention residual add)
 void add_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s);
 // From the residual h [T, H]: x1 = rms(h; w_pre) (dense MLP input), xe = rms(h; w_pre2) (expert input) and
@@ -86,12 +92,20 @@ struct DeviceRowStats {
 size_t softcap_row_stats_scratch_bytes(int rows, int V);
 // write_capped false: the logits are left as they were (the stats and probs are the same bits), which saves the
 // pass a write of the whole [rows, V] f32 block when nothing reads the capped logits afterwards.
+// probs_row_scale != nullptr (with probs): the probs come out of the statistics pass itself, unnormalized, with
+// softmax(z) = probs_row_scale[r] * probs[r, :] (probs[r, i] = bf16(exp(z_i - cap / T)); a row whose max is too far
+// below cap / T gets the normalized probs above and scale 1). One pass over the logits instead of two; a GEMM of the
+// probs is then scaled per row afterwards.
 void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
-                       void* scratch, cudaStream_t s, bf16* probs = nullptr, bool write_capped = true);
+                       void* scratch, cudaStream_t s, bf16* probs = nullptr, bool write_capped = true,
+                       float* probs_row_scale = nullptr);
 // probs[r, :] = softmax(logits[r, :] / temperature) as bf16 (temperature 1 for already-tempered input).
 void softmax_rows_bf16(const float* logits, int rows, int V, float temperature, bf16* probs, cudaStream_t s);
 // out = in * scale (f32, in place allowed)
 void scale_f32(const float* in, size_t n, float scale, float* out, cudaStream_t s);
+// out[r, :] = in[r, :] * (row_scale[r] * scale) for r < rows, n columns (f32, in place allowed)
+void scale_rows_f32(const float* in, int rows, int n, const float* row_scale, float scale, float* out,
+                    cudaStream_t s);
 
 // Device-side synthetic weights: uniform in [offset - scale, offset + scale) from a counter hash of (seed, i).
 void fill_uniform_bf16(bf16* p, size_t n, uint64_t seed, float scale, float offset, cudaStream_t s);

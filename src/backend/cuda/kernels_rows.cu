@@ -339,6 +339,47 @@ int row_vec_nv(int n) {
   return nv <= 4 ? nv : 0;
 }
 
+// y = rms_norm(x * f; w), f = (row_scale ? row_scale[row] : 1) * scale: scale_rows_f32 / scale_f32 then
+// rms_norm_vec_k in one pass, the same bits.
+template <int NV>
+__global__ void __launch_bounds__(kVecThreads) scaled_rms_norm_vec_k(const float* x, int n, const float* row_scale,
+                                                                     float scale, const float* w, float eps, bf16* y) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
+  const int n4 = n / 4;
+  RowVec<NV> r = load_f32<NV>(x + size_t(blockIdx.x) * n, n4);
+  const float f = row_scale ? row_scale[blockIdx.x] * scale : scale;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) r.v[j].x *= f, r.v[j].y *= f, r.v[j].z *= f, r.v[j].w *= f;
+  const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
+  bf16* yr = y + size_t(blockIdx.x) * n;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int c = threadIdx.x + j * kVecThreads;
+    if (c < n4) st4(yr, c, w ? mul4(r.v[j], inv, ld4(w, c)) : mul4(r.v[j], inv, make_float4(1, 1, 1, 1)));
+  }
+}
+
+// h = rms_norm(h + a; w): add_bf16_to_f32 then rms_norm_vec_k in place, in one pass, the same bits.
+template <int NV>
+__global__ void __launch_bounds__(kVecThreads) add_then_rms_norm_vec_k(float* h, const bf16* a, int n, const float* w,
+                                                                       float eps) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
+  const int n4 = n / 4;
+  float* hr = h + size_t(blockIdx.x) * n;
+  RowVec<NV> r = load_f32<NV>(hr, n4);
+  const RowVec<NV> d = load_bf16<NV>(a + size_t(blockIdx.x) * n, n4);
+#pragma unroll
+  for (int j = 0; j < NV; ++j) r.v[j].x += d.v[j].x, r.v[j].y += d.v[j].y, r.v[j].z += d.v[j].z, r.v[j].w += d.v[j].w;
+  const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int c = threadIdx.x + j * kVecThreads;
+    if (c < n4) st4(hr, c, w ? mul4(r.v[j], inv, ld4(w, c)) : mul4(r.v[j], inv, make_float4(1, 1, 1, 1)));
+  }
+}
+
 // act = bf16(gelu_tanh(gate) * up), gate/up as bf16 (dense MLP; the padded experts' f32 variant is
 // moe_gelu_mul_padded in kernels_moe.cu)
 __global__ void gelu_mul_k(const bf16* gu, int rows, int I, bf16* act) {
@@ -642,10 +683,11 @@ __device__ __forceinline__ void rs_tile_z(float* row, int V, int base, float cap
 }
 
 // Partial (tile, warp) of row r at part[(r * tiles + tile) * kRsWarps + warp]. rcap, rT: RN(1 / cap), RN(1 / T).
+// probs != nullptr: also probs = bf16(exp(z - ref)) for a ref fixed before the pass (the fused SC probs, below).
 template <bool kVec, bool kRcp, bool kFastExp>
 __global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int V, float cap, float rcap,
                                                               float temperature, float rT, RowPartial* part,
-                                                              bool write_capped) {
+                                                              bool write_capped, bf16* probs, float ref) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   const int tile = blockIdx.x, r = blockIdx.y;
@@ -677,10 +719,29 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int
     const float e = kFastExp ? ex2_ftz(d * 1.44269502f) : expf(d);  // RN(log2 e)
     sf += e;
     wf = fmaf(e, d, wf);
+    z[j] = e;
   }
   const double s = warp_sum_d(sf), w = warp_sum_d(wf);
   if ((threadIdx.x & 31) == 0)
     part[(size_t(r) * gridDim.x + tile) * kRsWarps + (threadIdx.x >> 5)] = RowPartial{s, w, bv, bi};
+  if (!probs) return;
+  // exp(z - ref) = exp(z - m) exp(m - ref): one multiply a token on the term already summed (z - m is the same f32
+  // difference). A warp without a finite value has e = 0 throughout.
+  const float f = expf(fmaxf(bv - ref, -FLT_MAX));
+  bf16* out = probs + size_t(r) * V;
+#pragma unroll
+  for (int k = 0; k < kRsVec; ++k) {
+    const int i0 = base + 4 * (threadIdx.x + k * kRsThreads);
+    const float4 u = make_float4(z[4 * k] * f, z[4 * k + 1] * f, z[4 * k + 2] * f, z[4 * k + 3] * f);
+    if (kVec && i0 + 4 <= V) {
+      st4(out, i0 / 4, u);
+    } else {
+      const float uq[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        if (i0 + q < V) out[i0 + q] = __float2bfloat16(uq[q]);
+    }
+  }
 }
 
 // Block-wide (max, lowest index) of (bv, bi); every thread gets the result.
@@ -718,10 +779,36 @@ __device__ __forceinline__ void block_sum2(double& a, double& b) {
   for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o), b += __shfl_xor_sync(0xffffffffu, b, o);
 }
 
+// probs[i] = bf16(expf(z - M) * inv) of token i of a row, z = softcap(x) / T (x already capped unless raw): the
+// normalized SC probs of the unfused path, bitwise.
+template <bool kRcp>
+__device__ __forceinline__ float exact_prob(float x, bool raw, float cap, float rcap, float T, float rT, float M,
+                                            float inv) {
+  if (raw) x = softcap_rs<kRcp>(x, cap, rcap);
+  return expf(rs_div<kRcp>(x, T, rT) - M) * inv;
+}
+
+// The fused SC probs (softcap_row_stats with probs_row_scale): the tile pass writes u = bf16(exp(z - ref)) with ref =
+// cap / T, an upper bound of z known before the pass, and the merge sets scale = exp(ref - M) / sum, so that
+// probs @ E = scale * (u @ E) without a second pass over the logits. Where ref - M <= kFusedProbsMaxGap, the row's
+// largest term exp(M - ref) >= e^-60 and every token within 27 nats of the max stays a normal f32 / bf16 (>= 2^-126
+// ~ e^-87.3); those further down weigh < e^-27 each against the max, all together < 262144 e^-27 ~ 5e-7 of the row's
+// mass, far below bf16's half ulp (2^-9). Rows past the gap (softcapped max < cap - 60 T: only at T < 1, e.g. a max
+// logit below 6 at T 0.4) are rewritten by the merge block with the unfused path's normalized probs, scale 1.
+constexpr double kFusedProbsMaxGap = 60.0;
+struct FusedProbs {
+  bf16* probs;  // null: no fused probs
+  float* scale;
+  const float* logits;
+  int V;
+  float T, rT, cap, rcap, ref;
+  bool raw, rcp;
+};
+
 // One block per row (the 256 partials of a 262144-token row: one per thread, where a warp per row took 8 rounds of a
 // load and a double exp); stats[r] from the row's `parts` partials in a fixed order.
 __global__ void __launch_bounds__(kRsThreads) rowstats_merge_k(const RowPartial* part, int parts,
-                                                               DeviceRowStats* stats) {
+                                                               DeviceRowStats* stats, FusedProbs fp) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   const int r = blockIdx.x;
@@ -748,6 +835,19 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_merge_k(const RowPartial*
     o.survivors = -1, o.tail_mass = 0.0f, o.tile_overflow = 0;
     stats[r] = o;
   }
+  if (!fp.probs) return;
+  const double gap = double(fp.ref) - double(bv);
+  if (gap <= kFusedProbsMaxGap) {  // false for a row without a finite value too (gap +inf, or NaN)
+    if (threadIdx.x == 0) fp.scale[r] = float(exp(gap) / S);
+    return;
+  }
+  const float M = bv, inv = float(1.0 / S);
+  const float* row = fp.logits + size_t(r) * fp.V;
+  bf16* out = fp.probs + size_t(r) * fp.V;
+  for (int i = threadIdx.x; i < fp.V; i += blockDim.x)
+    out[i] = __float2bfloat16(fp.rcp ? exact_prob<true>(row[i], fp.raw, fp.cap, fp.rcap, fp.T, fp.rT, M, inv)
+                                     : exact_prob<false>(row[i], fp.raw, fp.cap, fp.rcap, fp.T, fp.rT, M, inv));
+  if (threadIdx.x == 0) fp.scale[r] = 1.0f;
 }
 
 template <bool kVec, bool kRcp>
@@ -763,10 +863,7 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_probs_k(const float* logi
   const float M = stats[r].max_z, inv = stats[r].inv_sum;
   const int base = tile * kRsTile;
   // raw: the logits were left uncapped (write_capped false): the same softcap_rs as the stats pass, so the same bits
-  auto p1 = [&](float x) {
-    if (raw) x = softcap_rs<kRcp>(x, cap, rcap);
-    return expf(rs_div<kRcp>(x, temperature, rT) - M) * inv;
-  };
+  auto p1 = [&](float x) { return exact_prob<kRcp>(x, raw, cap, rcap, temperature, rT, M, inv); };
   if (kVec && base + kRsTile <= V) {  // all eight loads in flight before the arithmetic
     const float4* row4 = reinterpret_cast<const float4*>(row + base) + threadIdx.x;
     float4 x[kRsVec];
@@ -819,6 +916,14 @@ __global__ void softmax_rows_bf16_k(const float* logits, int V, float temperatur
   const float inv = 1.0f / block_sum(s);
   bf16* out = probs + size_t(blockIdx.x) * V;
   for (int i = threadIdx.x; i < V; i += blockDim.x) out[i] = __float2bfloat16(__expf(row[i] / temperature - mx) * inv);
+}
+
+__global__ void scale_rows_f32_k(const float* in, int n, const float* row_scale, float scale, float* out) {
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
+  pdl_trigger();
+  const size_t off = size_t(blockIdx.x) * n;
+  const float f = row_scale[blockIdx.x] * scale;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) out[off + i] = in[off + i] * f;
 }
 
 __global__ void scale_f32_k(const float* in, size_t n, float scale, float* out) {
@@ -981,6 +1086,37 @@ void gelu_mul(const bf16* gu, int rows, int I, bf16* act, cudaStream_t s) {
   launch_pdl(gelu_mul_k, dim3(grid), dim3(256), 0, s, gu, rows, I, act);
   CUDA_CHECK_LAUNCH();
 }
+void scaled_rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* row_scale, float scale, const float* w,
+                                 float eps, bf16* y, cudaStream_t s) {
+  if (rows <= 0) return;
+  const int nv = row_vec_nv(n);
+  if (nv == 0) {  // other widths: the two kernels
+    float* xs = const_cast<float*>(x);  // scaled in place first, as the unfused path did
+    if (row_scale)
+      scale_rows_f32(x, rows, n, row_scale, scale, xs, s);
+    else
+      scale_f32(x, size_t(rows) * n, scale, xs, s);
+    rms_norm_f32_to_bf16(x, rows, n, w, eps, y, s);
+    return;
+  }
+  auto* kern = nv == 1 ? scaled_rms_norm_vec_k<1> : nv == 2 ? scaled_rms_norm_vec_k<2>
+             : nv == 3 ? scaled_rms_norm_vec_k<3> : scaled_rms_norm_vec_k<4>;
+  launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, x, n, row_scale, scale, w, eps, y);
+  CUDA_CHECK_LAUNCH();
+}
+void add_then_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s) {
+  if (rows <= 0) return;
+  const int nv = row_vec_nv(n);
+  if (nv == 0) {
+    add_bf16_to_f32(h, a, size_t(rows) * n, s);
+    rms_norm_f32_to_f32(h, rows, n, w, eps, h, s);
+    return;
+  }
+  auto* kern = nv == 1 ? add_then_rms_norm_vec_k<1> : nv == 2 ? add_then_rms_norm_vec_k<2>
+             : nv == 3 ? add_then_rms_norm_vec_k<3> : add_then_rms_norm_vec_k<4>;
+  launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, h, a, n, w, eps);
+  CUDA_CHECK_LAUNCH();
+}
 void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s) {
   if (n == 0) return;
   add_bf16_to_f32_k<<<grid_for(n), 256, 0, s>>>(h, a, n);
@@ -1026,7 +1162,7 @@ size_t softcap_row_stats_scratch_bytes(int rows, int V) {
   return size_t(rows < 0 ? 0 : rows) * size_t((V + kRsTile - 1) / kRsTile) * kRsWarps * sizeof(RowPartial);
 }
 void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
-                       void* scratch, cudaStream_t s, bf16* probs, bool write_capped) {
+                       void* scratch, cudaStream_t s, bf16* probs, bool write_capped, float* probs_row_scale) {
   char msg[160];
   if (rows < 0 || rows > 65535 || V < 1) {
     std::snprintf(msg, sizeof msg, "rows %d must be in [0, 65535] and V %d >= 1", rows, V);
@@ -1048,12 +1184,15 @@ void softcap_row_stats(float* logits, int rows, int V, float softcap, float temp
   const float rcap = 1.0f / softcap, rT = 1.0f / temperature;  // host f32 division: RN(1 / x)
   auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kRsFastExp> : rowstats_tile_k<true, false, kRsFastExp>)
                      : (rcp ? rowstats_tile_k<false, true, kRsFastExp> : rowstats_tile_k<false, false, kRsFastExp>);
+  const bool fused = probs && probs_row_scale;
+  const FusedProbs fp{fused ? probs : nullptr, probs_row_scale, logits, V, temperature, rT, softcap, rcap,
+                      softcap / temperature, !write_capped, rcp};
   launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, s, logits, V, softcap, rcap, temperature, rT, part,
-             write_capped);
+             write_capped, fp.probs, fp.ref);
   CUDA_CHECK_LAUNCH();
-  launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, s, part, tiles * kRsWarps, stats);
+  launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, s, part, tiles * kRsWarps, stats, fp);
   CUDA_CHECK_LAUNCH();
-  if (probs) {
+  if (probs && !fused) {
     auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true> : rowstats_probs_k<true, false>)
                         : (rcp ? rowstats_probs_k<false, true> : rowstats_probs_k<false, false>);
     launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, s, logits, rows, V, tiles, temperature, rT, stats, probs,
@@ -1069,6 +1208,12 @@ void softmax_rows_bf16(const float* logits, int rows, int V, float temperature, 
 void scale_f32(const float* in, size_t n, float scale, float* out, cudaStream_t s) {
   if (n == 0) return;
   scale_f32_k<<<grid_for(n), 256, 0, s>>>(in, n, scale, out);
+  CUDA_CHECK_LAUNCH();
+}
+void scale_rows_f32(const float* in, int rows, int n, const float* row_scale, float scale, float* out,
+                    cudaStream_t s) {
+  if (rows <= 0 || n <= 0) return;
+  launch_pdl(scale_rows_f32_k, dim3(rows), dim3(256), 0, s, in, n, row_scale, scale, out);
   CUDA_CHECK_LAUNCH();
 }
 void fill_uniform_bf16(bf16* p, size_t n, uint64_t seed, float scale, float offset, cudaStream_t s) {
