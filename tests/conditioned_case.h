@@ -30,7 +30,7 @@ inline std::vector<int32_t> prompt() {
 inline diffusion::GenerationOptions options(const LoadedModel& m) {
   auto o = diffusion::GenerationOptions::from_config(m.generation);
   o.disable_extras();
-  o.seed = 7;
+  o.seed = 42;  // seeds 7 (confident stop 8e-5 from its threshold) and 274 / 305 (no stop id): see the fixture test
   o.max_new_tokens = 48;
   o.max_steps = 8;
   return o;

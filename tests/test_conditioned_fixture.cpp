@@ -31,11 +31,15 @@ TEST(ConditionedFixture, GenerationHasNoNearTies) {
   // bounds leave an order of magnitude above that.
   EXPECT_GE(m.logit_top1, 0.5f);
   EXPECT_GE(m.router_topk, 1.0f);
-  // Not yet conditioned, so only printed: the entropy-bound accept set (0.0018 nats from the bound) and the confident
-  // stop (8e-5 from 0.005) sit close to their thresholds on this seed; the H200 run still matched (BENCHMARKS).
-  // The case must actually exercise the loop: several blocks, ended by a stop id (token 50) at 38 ids.
+  // The sampler's thresholds: on seed 7 the confident stop sat 8e-5 from 0.005 and the H200 took one step fewer in
+  // a block (BENCHMARKS, 2026-12-01 session 17). bf16 moves a near-one-hot row's entropy by ~1e-2 of itself, so
+  // these bounds leave an order of magnitude; seed 42 has 0.0037 and 0.0011.
+  EXPECT_GE(m.accept, 0.002);
+  EXPECT_GE(m.confident, 0.0005);
+  // The case must actually exercise the loop: several blocks, ended by a stop id before max_new_tokens (48).
   EXPECT_GE(res.blocks.size(), 3u);
   EXPECT_GE(res.ids.size(), 32u);
+  EXPECT_GE(res.stop_token, 0);
   EXPECT_EQ(m.prefill_calls, int(res.blocks.size()));  // the prompt + every block but the last
 }
 

@@ -187,9 +187,16 @@ __device__ __forceinline__ RowVec<NV> load_bf16(const bf16* row, int n4) {
 }
 template <int NV>
 __device__ __forceinline__ float sum_sq(const RowVec<NV>& r) {
+  // Explicit fmas: left to itself the compiler contracts this sum differently per kernel, and the fused norms
+  // (add_then_rms_norm, scaled_rms_norm) must match their unfused pairs bit for bit.
   float s = 0;
 #pragma unroll
-  for (int j = 0; j < NV; ++j) s += r.v[j].x * r.v[j].x + r.v[j].y * r.v[j].y + r.v[j].z * r.v[j].z + r.v[j].w * r.v[j].w;
+  for (int j = 0; j < NV; ++j) {
+    s = __fmaf_rn(r.v[j].x, r.v[j].x, s);
+    s = __fmaf_rn(r.v[j].y, r.v[j].y, s);
+    s = __fmaf_rn(r.v[j].z, r.v[j].z, s);
+    s = __fmaf_rn(r.v[j].w, r.v[j].w, s);
+  }
   return s;
 }
 __device__ __forceinline__ float4 ld4(const float* p, int c) { return reinterpret_cast<const float4*>(p)[c]; }

@@ -413,8 +413,9 @@ void new_variant(float* logits, int rows, int V, float cap, float T, DeviceRowSt
   const float rcap = 1.0f / cap, rT = 1.0f / T;
   auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kFastExp> : rowstats_tile_k<true, false, kFastExp>)
                      : (rcp ? rowstats_tile_k<false, true, kFastExp> : rowstats_tile_k<false, false, kFastExp>);
-  launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, nullptr, logits, V, cap, rcap, T, rT, part, true);
-  launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, nullptr, part, tiles * kRsWarps, stats);
+  launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, nullptr, logits, V, cap, rcap, T, rT, part, true,
+             static_cast<bf16*>(nullptr), 0.0f);
+  launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, nullptr, part, tiles * kRsWarps, stats, FusedProbs{});
   if (probs) {
     auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true> : rowstats_probs_k<true, false>)
                         : (rcp ? rowstats_probs_k<false, true> : rowstats_probs_k<false, false>);
