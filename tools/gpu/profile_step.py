@@ -4,7 +4,7 @@
   tools/gpu/profile_step.sh  (the nsys / importer calls on the GPU image, then this script)
   python3 tools/gpu/profile_step.py /tmp/step_cuda_gpu_trace.csv [--steps 10]
 
-A step ends with the row-statistics probs kernel (name containing 'rowstats_probs'); the last --steps steps are averaged. Prints,
+A step ends with the row-statistics merge kernel (name containing 'rowstats_merge'); the last --steps steps are averaged. Prints,
 per kernel in step order, the mean duration and the idle gap before it, then the step's wall time, kernel time and
 idle total: where the time between kernels goes, which the bench's stage events cannot show inside a CUDA graph.
 """
@@ -25,7 +25,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument('trace_csv')
     ap.add_argument('--steps', type=int, default=10)
-    ap.add_argument('--end-kernel', default='rowstats_probs')
+    ap.add_argument('--end-kernel', default='rowstats_merge')
     args = ap.parse_args()
     rows = []
     with open(args.trace_csv, newline='') as f:
