@@ -212,6 +212,16 @@ __device__ __forceinline__ float4 mul4(float4 a, float s, float4 w) {
   return make_float4(a.x * s * w.x, a.y * s * w.y, a.z * s * w.z, a.w * s * w.w);
 }
 
+// y = r * inv * w (w null: no scale), the row's n4 float4 chunks of this thread
+template <int NV, class Out>
+__device__ __forceinline__ void store_normed(Out* y, const RowVec<NV>& r, float inv, const float* w, int n4) {
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int c = threadIdx.x + j * kVecThreads;
+    if (c < n4) st4(y, c, w ? mul4(r.v[j], inv, ld4(w, c)) : mul4(r.v[j], inv, make_float4(1, 1, 1, 1)));
+  }
+}
+
 template <int NV, class Out>
 __global__ void __launch_bounds__(kVecThreads) rms_norm_vec_k(const float* x, int n, const float* w, float eps, Out* y) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
@@ -220,11 +230,7 @@ __global__ void __launch_bounds__(kVecThreads) rms_norm_vec_k(const float* x, in
   const RowVec<NV> r = load_f32<NV>(x + size_t(blockIdx.x) * n, n4);
   const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
   Out* yr = y + size_t(blockIdx.x) * n;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int c = threadIdx.x + j * kVecThreads;
-    if (c < n4) st4(yr, c, w ? mul4(r.v[j], inv, ld4(w, c)) : mul4(r.v[j], inv, make_float4(1, 1, 1, 1)));
-  }
+  store_normed(yr, r, inv, w, n4);
 }
 
 template <int NV>
@@ -360,11 +366,7 @@ __global__ void __launch_bounds__(kVecThreads) scaled_rms_norm_vec_k(const float
   for (int j = 0; j < NV; ++j) r.v[j].x *= f, r.v[j].y *= f, r.v[j].z *= f, r.v[j].w *= f;
   const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
   bf16* yr = y + size_t(blockIdx.x) * n;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int c = threadIdx.x + j * kVecThreads;
-    if (c < n4) st4(yr, c, w ? mul4(r.v[j], inv, ld4(w, c)) : mul4(r.v[j], inv, make_float4(1, 1, 1, 1)));
-  }
+  store_normed(yr, r, inv, w, n4);
 }
 
 // h = rms_norm(h + a; w): add_bf16_to_f32 then rms_norm_vec_k in place, in one pass, the same bits.
@@ -380,11 +382,7 @@ __global__ void __launch_bounds__(kVecThreads) add_then_rms_norm_vec_k(float* h,
 #pragma unroll
   for (int j = 0; j < NV; ++j) r.v[j].x += d.v[j].x, r.v[j].y += d.v[j].y, r.v[j].z += d.v[j].z, r.v[j].w += d.v[j].w;
   const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int c = threadIdx.x + j * kVecThreads;
-    if (c < n4) st4(hr, c, w ? mul4(r.v[j], inv, ld4(w, c)) : mul4(r.v[j], inv, make_float4(1, 1, 1, 1)));
-  }
+  store_normed(hr, r, inv, w, n4);
 }
 
 // act = bf16(gelu_tanh(gate) * up), gate/up as bf16 (dense MLP; the padded experts' f32 variant is
