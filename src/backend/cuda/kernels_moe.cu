@@ -681,7 +681,8 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     s4 += hv.x * hv.x + hv.y * hv.y + hv.z * hv.z + hv.w * hv.w;
   }
   if (!x_next) return;
-  // x_next = rms(h; w_next) in bf16, as rms_norm_f32_to_bf16's vector kernel computes it (same arithmetic and order).
+  // x_next = rms(h; w_next) in bf16: rms_norm_f32_to_bf16's formula, not its bits (its blocks split the row and
+  // sum the squares differently; the test holds the two to bf16 rounding).
   const float inv4 = rsqrtf(block_sum(s4) / float(H) + eps);
 #pragma unroll
   for (int q = 0; q < NV; ++q) {
