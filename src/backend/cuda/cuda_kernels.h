@@ -28,8 +28,9 @@ int memset_nodes_as_kernels(cudaGraph_t graph);
 void rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* w, float eps, bf16* y, cudaStream_t s);
 void rms_norm_f32_to_f32(const float* x, int rows, int n, const float* w, float eps, float* y, cudaStream_t s);
 // y = rms_norm(x * f; w) with f = (row_scale ? row_scale[r] : 1) * scale per row r: the same bits as scale_rows_f32 /
-// scale_f32 in place then rms_norm_f32_to_bf16, in one pass where the width allows (x is left as it was then).
-void scaled_rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* row_scale, float scale, const float* w,
+// scale_f32 in place then rms_norm_f32_to_bf16, in one pass where the width allows (x is left as it was then; other
+// widths scale x in place).
+void scaled_rms_norm_f32_to_bf16(float* x, int rows, int n, const float* row_scale, float scale, const float* w,
                                  float eps, bf16* y, cudaStream_t s);
 // h = rms_norm(h + a; w): the same bits as add_bf16_to_f32 then rms_norm_f32_to_f32 in place, in one pass.
 void add_then_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s);

@@ -222,15 +222,22 @@ __device__ __forceinline__ void store_normed(Out* y, const RowVec<NV>& r, float 
   }
 }
 
+// y = rms_norm(x * f; w), f = (row_scale ? row_scale[row] : 1) * scale: with f = 1 the plain norm (x * 1 is x, so
+// no multiply then), otherwise scale_rows_f32 / scale_f32 then the plain norm in one pass, the same bits.
 template <int NV, class Out>
-__global__ void __launch_bounds__(kVecThreads) rms_norm_vec_k(const float* x, int n, const float* w, float eps, Out* y) {
+__global__ void __launch_bounds__(kVecThreads) rms_norm_vec_k(const float* x, int n, const float* row_scale, float scale,
+                                                              const float* w, float eps, Out* y) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   const int n4 = n / 4;
-  const RowVec<NV> r = load_f32<NV>(x + size_t(blockIdx.x) * n, n4);
+  RowVec<NV> r = load_f32<NV>(x + size_t(blockIdx.x) * n, n4);
+  if (row_scale || scale != 1.0f) {
+    const float f = row_scale ? row_scale[blockIdx.x] * scale : scale;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) r.v[j].x *= f, r.v[j].y *= f, r.v[j].z *= f, r.v[j].w *= f;
+  }
   const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
-  Out* yr = y + size_t(blockIdx.x) * n;
-  store_normed(yr, r, inv, w, n4);
+  store_normed(y + size_t(blockIdx.x) * n, r, inv, w, n4);
 }
 
 template <int NV>
@@ -350,23 +357,6 @@ int row_vec_nv(int n) {
   if (n % 4 != 0) return 0;
   const int nv = (n / 4 + kVecThreads - 1) / kVecThreads;
   return nv <= 4 ? nv : 0;
-}
-
-// y = rms_norm(x * f; w), f = (row_scale ? row_scale[row] : 1) * scale: scale_rows_f32 / scale_f32 then
-// rms_norm_vec_k in one pass, the same bits.
-template <int NV>
-__global__ void __launch_bounds__(kVecThreads) scaled_rms_norm_vec_k(const float* x, int n, const float* row_scale,
-                                                                     float scale, const float* w, float eps, bf16* y) {
-  pdl_wait();  // launch.cuh: nothing before this touches global memory
-  pdl_trigger();
-  const int n4 = n / 4;
-  RowVec<NV> r = load_f32<NV>(x + size_t(blockIdx.x) * n, n4);
-  const float f = row_scale ? row_scale[blockIdx.x] * scale : scale;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) r.v[j].x *= f, r.v[j].y *= f, r.v[j].z *= f, r.v[j].w *= f;
-  const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
-  bf16* yr = y + size_t(blockIdx.x) * n;
-  store_normed(yr, r, inv, w, n4);
 }
 
 // h = rms_norm(h + a; w): add_bf16_to_f32 then rms_norm_vec_k in place, in one pass, the same bits.
@@ -1013,27 +1003,26 @@ void copy_words(const void* src, size_t words, void* dst, cudaStream_t s) {
   launch_pdl(copy_words_k, dim3(unsigned(std::min<size_t>((words + kRowThreads - 1) / kRowThreads, 1024))),
              dim3(kRowThreads), 0, s, static_cast<const uint32_t*>(src), words, static_cast<uint32_t*>(dst));
 }
-void rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* w, float eps, bf16* y, cudaStream_t s) {
+// rms_norm_vec_k where the width allows (nv 1-4), else the scalar kernel, which has no row factor.
+template <class Out>
+void launch_rms_norm(const float* x, int rows, int n, const float* row_scale, float scale, const float* w, float eps,
+                     Out* y, cudaStream_t s) {
   if (rows == 0) return;
-  switch (row_vec_nv(n)) {
-    case 1: launch_pdl(rms_norm_vec_k<1, bf16>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
-    case 2: launch_pdl(rms_norm_vec_k<2, bf16>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
-    case 3: launch_pdl(rms_norm_vec_k<3, bf16>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
-    case 4: launch_pdl(rms_norm_vec_k<4, bf16>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
-    default: rms_norm_k<bf16><<<rows, kRowThreads, 0, s>>>(x, n, w, eps, y);
+  const int nv = row_vec_nv(n);
+  if (nv == 0) {
+    rms_norm_k<Out><<<rows, kRowThreads, 0, s>>>(x, n, w, eps, y);
+  } else {
+    auto* kern = nv == 1 ? rms_norm_vec_k<1, Out> : nv == 2 ? rms_norm_vec_k<2, Out>
+               : nv == 3 ? rms_norm_vec_k<3, Out> : rms_norm_vec_k<4, Out>;
+    launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, x, n, row_scale, scale, w, eps, y);
   }
   CUDA_CHECK_LAUNCH();
 }
+void rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* w, float eps, bf16* y, cudaStream_t s) {
+  launch_rms_norm(x, rows, n, nullptr, 1.0f, w, eps, y, s);
+}
 void rms_norm_f32_to_f32(const float* x, int rows, int n, const float* w, float eps, float* y, cudaStream_t s) {
-  if (rows == 0) return;
-  switch (row_vec_nv(n)) {
-    case 1: launch_pdl(rms_norm_vec_k<1, float>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
-    case 2: launch_pdl(rms_norm_vec_k<2, float>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
-    case 3: launch_pdl(rms_norm_vec_k<3, float>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
-    case 4: launch_pdl(rms_norm_vec_k<4, float>, dim3(rows), dim3(kVecThreads), 0, s, x, n, w, eps, y); break;
-    default: rms_norm_k<float><<<rows, kRowThreads, 0, s>>>(x, n, w, eps, y);
-  }
-  CUDA_CHECK_LAUNCH();
+  launch_rms_norm(x, rows, n, nullptr, 1.0f, w, eps, y, s);
 }
 void add_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s) {
   if (rows == 0) return;
@@ -1091,23 +1080,19 @@ void gelu_mul(const bf16* gu, int rows, int I, bf16* act, cudaStream_t s) {
   launch_pdl(gelu_mul_k, dim3(grid), dim3(256), 0, s, gu, rows, I, act);
   CUDA_CHECK_LAUNCH();
 }
-void scaled_rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* row_scale, float scale, const float* w,
+void scaled_rms_norm_f32_to_bf16(float* x, int rows, int n, const float* row_scale, float scale, const float* w,
                                  float eps, bf16* y, cudaStream_t s) {
   if (rows <= 0) return;
   const int nv = row_vec_nv(n);
-  if (nv == 0) {  // other widths: the two kernels
-    float* xs = const_cast<float*>(x);  // scaled in place first, as the unfused path did
+  if (nv == 0) {  // other widths: the two kernels, x scaled in place first
     if (row_scale)
-      scale_rows_f32(x, rows, n, row_scale, scale, xs, s);
+      scale_rows_f32(x, rows, n, row_scale, scale, x, s);
     else
-      scale_f32(x, size_t(rows) * n, scale, xs, s);
+      scale_f32(x, size_t(rows) * n, scale, x, s);
     rms_norm_f32_to_bf16(x, rows, n, w, eps, y, s);
     return;
   }
-  auto* kern = nv == 1 ? scaled_rms_norm_vec_k<1> : nv == 2 ? scaled_rms_norm_vec_k<2>
-             : nv == 3 ? scaled_rms_norm_vec_k<3> : scaled_rms_norm_vec_k<4>;
-  launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, x, n, row_scale, scale, w, eps, y);
-  CUDA_CHECK_LAUNCH();
+  launch_rms_norm(x, rows, n, row_scale, scale, w, eps, y, s);
 }
 void add_then_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s) {
   if (rows <= 0) return;
