@@ -876,6 +876,127 @@ TEST(CudaKernels, AddRmsNormPreFfn) {
   }
 }
 
+// The split router (CudaOptions::split_router; the algebra in cuda_kernels.h) against router_top_k on the same layer:
+// a = bf16(att Wo^T), h' = h + rms(a; w_post). add_rms_norm_pre_ffn_route must leave h, x1, xe bitwise as
+// add_rms_norm_pre_ffn does; its logits must match a double evaluation of the split formula (Wpa's hi + lo against
+// M in double where the sizes allow) and router_top_k's logits to a's bf16 rounding; its selection and masks must be
+// route_top_k's rules on its own logits (the masks start as the zeros the engine's memset leaves); bitwise repeatable.
+std::vector<unsigned> expert_masks_of(const std::vector<int32_t>& idx, int T, int E, int k);  // below
+
+TEST(CudaKernels, SplitRouter) {
+  REQUIRE_GPU();
+  Gemm gemm;
+  for (auto [T, E, k, H, K] : {std::tuple{256, 128, 8, 2816, 4096}, std::tuple{37, 8, 2, 40, 72},
+                               std::tuple{65, 100, 7, 1004, 200}, std::tuple{300, 128, 8, 2816, 512}}) {
+    const std::string what = "T " + std::to_string(T) + " E " + std::to_string(E) + " H " + std::to_string(H) +
+                             " K " + std::to_string(K);
+    ASSERT_TRUE(split_router_supported(E, H, k)) << what;
+    const float eps = 1e-6f;
+    auto h = rnd(size_t(T) * H, -4, 4), att = rnd(size_t(T) * K, -1, 1);
+    auto Wo = rnd(size_t(H) * K, -1.5f / std::sqrt(float(K)), 1.5f / std::sqrt(float(K)));
+    auto wp = rnd(H, 0.5f, 1.5f), w1 = rnd(H, 0.5f, 1.5f), w2 = rnd(H, 0.5f, 1.5f), rs = rnd(H, 0.5f, 1.5f);
+    auto W = rnd(size_t(E) * H, -0.05f, 0.05f), pes = rnd(size_t(E), 0.5f, 1.5f);
+    Dev<float> dh(h.size()), dh2(h.size()), dwp(H), dw1(H), dw2(H), drs(H), dW(W.size()), dpes(E), xr(h.size());
+    Dev<float> partial(router_partial_floats(T, H)), rl_old(size_t(T) * E), w_old(size_t(T) * k);
+    Dev<float> Wf(W.size()), px(size_t(T) * E), pa(size_t(T) * 2 * E), rl(size_t(T) * E), wk(size_t(T) * k);
+    Dev<bf16> datt(att.size()), dWo(Wo.size()), Wpa(size_t(2) * E * K), a(h.size());
+    Dev<bf16> x1(h.size()), xe(h.size()), x1b(h.size()), xeb(h.size());
+    Dev<int32_t> idx_old(size_t(T) * k), idx(size_t(T) * k);
+    Dev<unsigned> masks_old(expert_mask_words(T, E)), masks(expert_mask_words(T, E));
+    dh.put(h), dh2.put(h), datt.put(to_bf16(att)), dWo.put(to_bf16(Wo)), dwp.put(wp), dw1.put(w1), dw2.put(w2);
+    drs.put(rs), dW.put(W), dpes.put(pes);
+    gemm.linear(datt.p, Dt::BF16, T, dWo.p, Dt::BF16, H, K, a.p, Dt::BF16, nullptr);
+    // router_top_k's path
+    add_rms_norm_pre_ffn(dh.p, a.p, T, H, dwp.p, dw1.p, dw2.p, drs.p, eps, x1.p, xe.p, xr.p, nullptr);
+    router_top_k(xr.p, T, H, dW.p, E, k, dpes.p, partial.p, rl_old.p, idx_old.p, w_old.p, masks_old.p, nullptr);
+    // the split path
+    router_fold_weights(dW.p, drs.p, E, H, Wf.p, nullptr);
+    router_fold_o_proj(dWo.p, H, K, dwp.p, Wf.p, E, Wpa.p, nullptr);
+    auto run = [&] {
+      dh2.put(h);
+      CUDA_CHECK(cudaMemset(masks.p, 0, masks.n * sizeof(unsigned)));
+      gemm.linear(dh2.p, Dt::F32, T, Wf.p, Dt::F32, E, H, px.p, Dt::F32, nullptr);
+      gemm.linear(datt.p, Dt::BF16, T, Wpa.p, Dt::BF16, 2 * E, K, pa.p, Dt::F32, nullptr);
+      add_rms_norm_pre_ffn_route(dh2.p, a.p, T, H, dwp.p, dw1.p, dw2.p, eps, x1b.p, xeb.p, px.p, pa.p, E, k, dpes.p,
+                                 rl.p, idx.p, wk.p, masks.p, nullptr);
+    };
+    run();
+    const auto gh = dh.get(), gh2 = dh2.get();
+    EXPECT_EQ(0, std::memcmp(gh.data(), gh2.data(), gh.size() * sizeof(float))) << what << ": h";
+    const auto e1 = x1.get(), e1b = x1b.get(), ee = xe.get(), eeb = xeb.get();
+    EXPECT_EQ(0, std::memcmp(e1.data(), e1b.data(), e1.size() * sizeof(bf16))) << what << ": x1";
+    EXPECT_EQ(0, std::memcmp(ee.data(), eeb.data(), ee.size() * sizeof(bf16))) << what << ": xe";
+
+    // The split formula in double: logit = inv_h (h . Wf + inv_a sum_j a_exact[j] w_post[j] Wf[e, j]) with a_exact =
+    // att Wo^T unrounded, inv_a from bf16(a) (what the kernel's norm reads) and inv_h from h' (the kernel's h).
+    const auto ga = from_bf16(a.get()), gl = rl.get(), glo = rl_old.get();
+    const auto attb = from_bf16(to_bf16(att)), Wob = from_bf16(to_bf16(Wo));
+    double md = 0, mr = 0, md_old = 0;
+    std::vector<double> aex(static_cast<size_t>(H));
+    for (int t = 0; t < T; ++t) {
+      double sa = 0, sh = 0;
+      for (int j = 0; j < H; ++j) {
+        sa += double(ga[size_t(t) * H + j]) * ga[size_t(t) * H + j];
+        sh += double(gh2[size_t(t) * H + j]) * gh2[size_t(t) * H + j];
+        double s = 0;
+        for (int c = 0; c < K; ++c) s += double(attb[size_t(t) * K + c]) * Wob[size_t(j) * K + c];
+        aex[size_t(j)] = s;
+      }
+      const double inv_a = 1.0 / std::sqrt(sa / H + eps), inv_h = 1.0 / std::sqrt(sh / H + eps);
+      for (int e = 0; e < E; ++e) {
+        double x = 0;
+        for (int j = 0; j < H; ++j) {
+          const double wf = double(W[size_t(e) * H + j]) * rs[size_t(j)] / std::sqrt(double(H));
+          x += (double(h[size_t(t) * H + j]) + inv_a * aex[size_t(j)] * wp[size_t(j)]) * wf;
+        }
+        const double ref = inv_h * x, got = gl[size_t(t) * E + e];
+        md = std::max(md, std::fabs(got - ref)), mr = std::max(mr, std::fabs(ref));
+        md_old = std::max(md_old, std::fabs(got - double(glo[size_t(t) * E + e])));
+      }
+    }
+    EXPECT_LE(md / mr, 2e-5) << what << ": logits vs the split formula in double";
+    EXPECT_LE(md_old / mr, 5e-3) << what << ": logits vs router_top_k's";
+    EXPECT_GT(md_old, 0.0) << what << ": the split path's logits cannot be router_top_k's own";
+    if (size_t(H) * K * E <= size_t(50) << 20) {  // Wpa = hi + lo of M = Wo^T diag(w_post) Wf^T
+      const auto gw = from_bf16(Wpa.get());
+      double mm = 0, mmr = 0;
+      for (int e = 0; e < E; ++e)
+        for (int c = 0; c < K; ++c) {
+          double m = 0;
+          for (int j = 0; j < H; ++j)
+            m += double(Wob[size_t(j) * K + c]) * wp[size_t(j)] *
+                 (double(W[size_t(e) * H + j]) * rs[size_t(j)] / std::sqrt(double(H)));
+          const double got = double(gw[size_t(e) * K + c]) + gw[size_t(E + e) * K + c];
+          mm = std::max(mm, std::fabs(got - m)), mmr = std::max(mmr, std::fabs(m));
+        }
+      EXPECT_LE(mm / mmr, 1e-5) << what << ": Wpa";
+    }
+    const auto gi = idx.get();
+    const auto gk = masks.get();
+    const auto gw = wk.get();
+    std::vector<int32_t> want_idx(gi.size());
+    for (int t = 0; t < T; ++t) {
+      std::vector<float> ew(static_cast<size_t>(k));
+      cpu::route_top_k(gl.data() + size_t(t) * E, E, k, pes.data(), want_idx.data() + size_t(t) * k, ew.data());
+      for (int j = 0; j < k; ++j) EXPECT_NEAR(gw[size_t(t) * k + j], ew[size_t(j)], 1e-5f) << what;
+    }
+    EXPECT_EQ(gi, want_idx) << what;
+    EXPECT_EQ(gk, expert_masks_of(want_idx, T, E, k)) << what << ": expert masks";
+    run();
+    const auto gl2 = rl.get(), gw2 = wk.get();
+    EXPECT_EQ(0, std::memcmp(gl.data(), gl2.data(), gl.size() * sizeof(float))) << what << ": repeat";
+    EXPECT_EQ(0, std::memcmp(gw.data(), gw2.data(), gw.size() * sizeof(float))) << what << ": repeat";
+    EXPECT_EQ(idx.get(), gi) << what << ": repeat";
+    EXPECT_EQ(masks.get(), gk) << what << ": repeat";
+  }
+  EXPECT_FALSE(split_router_supported(6, 2816, 2));   // E % 4
+  EXPECT_FALSE(split_router_supported(132, 2816, 8));  // E > 128
+  EXPECT_FALSE(split_router_supported(128, 4098, 8));  // no vector row path
+  EXPECT_THROW(add_rms_norm_pre_ffn_route(nullptr, nullptr, 1, 40, nullptr, nullptr, nullptr, 1e-6f, nullptr, nullptr,
+                                          nullptr, nullptr, 6, 2, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr),
+               std::exception);
+}
+
 // CPU reference of the routed experts + combine: per token, its k experts in ascending id order, gate/up in double,
 // the activation rounded to bf16 as the kernels store it.
 std::vector<float> moe_reference(const std::vector<float>& x, const std::vector<float>& gu, const std::vector<float>& dn,

@@ -48,6 +48,7 @@ struct BenchArgs {
   bool no_softmax_reverse = false;  // cuda::set_softmax_rows_reverse(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   bool no_fused_sc_probs = false;  // CudaOptions::fused_sc_probs = false
+  bool no_split_router = false;    // CudaOptions::split_router = false
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
@@ -168,6 +169,7 @@ int run_bench(const BenchArgs& args) {
   opt.fused_router = !args.cublas_router;
   opt.gemm_attention = !args.no_gemm_attention;
   opt.fused_sc_probs = !args.no_fused_sc_probs;
+  opt.split_router = !args.no_split_router;
   if (args.dense_mlp_sms >= 0) opt.dense_mlp_sms = args.dense_mlp_sms;
   opt.tma_experts = !args.cublas_experts;
   opt.tma_experts_down = args.tma_experts_down;
@@ -247,6 +249,7 @@ int run_bench(const BenchArgs& args) {
   out["bf16_expert_rows"] = !args.f32_expert_rows;
   out["dense_tma"] = args.dense_tma;
   out["fused_sc_probs"] = !args.no_fused_sc_probs;
+  out["split_router"] = !args.no_split_router;
   out["dense_tma_cluster"] = args.dense_tma_cluster;
   out["narrow_assignment"] = !args.wide_assignment;
   out["tma_l2_promotion"] = args.tma_l2_promotion;
@@ -484,6 +487,10 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--no-fused-sc-probs", a->no_fused_sc_probs,
                                     "A/B: the SC probs by a second pass over the logits instead of the row-statistics "
                                     "pass (CudaOptions::fused_sc_probs = false)");
+                       sub.add_flag("--no-split-router", a->no_split_router,
+                                    "A/B: denoise passes route by router_top_k's two launches after the pre-FFN norm "
+                                    "instead of the split router's side-stream GEMMs (CudaOptions::split_router = "
+                                    "false)");
                        sub.add_flag("--no-gemm-attention", a->no_gemm_attention,
                                     "A/B: the full layers' denoise attention on the fused kernel instead of two "
                                     "cuBLASLt GEMMs around a softmax (CudaOptions::gemm_attention = false)");

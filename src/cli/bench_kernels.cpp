@@ -277,6 +277,28 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
         cuda::route_top_k(rl, T, E, K, pes, idx, wk, st);
         cuda::moe_assign_padded(idx, T, K, E, M, ovf, spos, meta, slot, st);
       });
+  {  // CudaOptions::split_router: the two side-stream GEMMs, then the pre-FFN norm kernel that routes
+    const int K_att = nh * sl.head_dim;
+    float* px = ar.f32s(size_t(T) * E, 1.0f);
+    float* pa = ar.f32s(size_t(T) * 2 * E, 0.1f);
+    bf16* att = ar.bf16s(size_t(T) * K_att, 1.0f);
+    bf16* wpa = ar.bf16s(size_t(2) * E * K_att, 0.01f);
+    add("split router: px = h Wf^T (side stream)", tH + " f32 . " + std::to_string(E) + "x" + std::to_string(H) + "^T",
+        router_bytes, 2.0 * T * H * E, [=, &gemm](cudaStream_t st) {
+          gemm.linear(h, Dt::F32, T, router_w, Dt::F32, E, H, px, Dt::F32, st);
+        });
+    add("split router: pa = att Wpa^T (side stream)",
+        std::to_string(T) + "x" + std::to_string(K_att) + " . " + std::to_string(2 * E) + "x" + std::to_string(K_att) +
+            "^T bf16 -> f32",
+        double(T) * K_att * 2 + double(2 * E) * K_att * 2, 2.0 * T * K_att * 2 * E, [=, &gemm](cudaStream_t st) {
+          gemm.linear(att, Dt::BF16, T, wpa, Dt::BF16, 2 * E, K_att, pa, Dt::F32, st);
+        });
+    add("add_rms_norm_pre_ffn_route (split router)", tH + ", top " + std::to_string(K) + ", expert masks",
+        double(T) * H * 14 + double(T) * E * 12, 0, [=](cudaStream_t st) {
+          cuda::add_rms_norm_pre_ffn_route(h, a_bf, T, H, w_h, w_h, w_h, eps, x1, xe, px, pa, E, K, pes, rl, idx, wk,
+                                           masks, st);
+        });
+  }
   add("route_top_k", std::to_string(T) + " x " + std::to_string(E) + " logits", double(T) * E * 4, 0,
       [=](cudaStream_t st) { cuda::route_top_k(rl, T, E, K, pes, idx, wk, st); });
   add("moe_assign_padded", std::to_string(T * K) + " pairs, M " + std::to_string(M), double(T) * K * 12, 0,

@@ -40,6 +40,10 @@ struct DevLayer {
   bf16 *wqkv, *wo, *dense_gu, *dense_down, *exp_gu, *exp_down;
   float *q_norm, *k_norm, *input_norm, *post_attn, *pre_ff, *post_ff1, *pre_ff2, *post_ff2, *post_ff;
   float *router_w, *router_scale, *pes, *inv_freq;
+  // The split router's folded weights (CudaOptions::split_router; cuda_kernels.h): Wf [E, H] f32 and Wpa [2E, nh D]
+  // bf16, made from the layer's own weights after the upload. Null where split_router_supported is false.
+  float* router_fold = nullptr;
+  bf16* router_wpa = nullptr;
   float enc_scalar = 1, dec_scalar = 1;
   bf16 *kc, *vc;
   int64_t cap = 0;
@@ -62,6 +66,7 @@ struct Scratch {
   int32_t *idx, *offsets, *sorted_pos, *moe_meta;
   int32_t* slot_token;  // [E M]: the token in each padded expert slot (moe_assign_padded), for the gathered gate_up
   float* router_partial;      // router_top_k's split partials (canvas-sized passes)
+  float *router_px, *router_pa;  // the split router's GEMM outputs [canvas, E] and [canvas, 2E]
   float* dense_part;          // dense_tma_splitk's split-K partials (CudaOptions::dense_tma), else null
   unsigned* expert_masks;      // router_top_k's token bit masks of each expert
   unsigned* expert_tile_counters;  // gate_up's tile counters (CudaOptions::dynamic_expert_tiles): zeroed once, left
@@ -93,6 +98,8 @@ class CudaWeights {
         cuda::moe_padded_rows_per_expert(cfg_.canvas_length, cfg_.top_k_experts, E), H, Ie);
     pack_gate_up_ = opt.pack_expert_gate_up && tma_ok && cuda::expert_gate_up_packable(H, Ie);
     pack_down_ = opt.pack_expert_down && tma_ok && cuda::expert_down_packable(H, Ie);
+    // Made whatever the options: the weights are shared by backends that may differ in CudaOptions::split_router.
+    split_router_ = cuda::split_router_supported(E, H, cfg_.top_k_experts);
     // Packing goes through one layer's gate_up worth of scratch (down is half of it), freed after the upload.
     const size_t pack_scratch =
         pack_gate_up_ || pack_down_ ? size_t(E) * 2 * size_t(Ie) * size_t(H) * sizeof(bf16) : 0;
@@ -115,6 +122,7 @@ class CudaWeights {
       else
         synthesize(seed);
       if (pack_gate_up_ || pack_down_) pack_experts(pack_scratch);
+      if (split_router_) fold_router();
     } catch (...) {
       cudaStreamDestroy(stream_);
       cudaFree(arena_.base);
@@ -156,7 +164,22 @@ class CudaWeights {
       L.router_w = ar.take<float>(E * H);
       L.pes = ar.take<float>(E);
       L.inv_freq = ar.take<float>(D / 2);
+      if (split_router_) {
+        L.router_fold = ar.take<float>(E * H);
+        L.router_wpa = ar.take<bf16>(2 * E * nh * D);
+      }
     }
+  }
+
+  // The split router's weights of every layer, from the uploaded (or synthesized) router and o_proj weights.
+  void fold_router() {
+    const int H = cfg_.hidden_size, E = cfg_.num_experts;
+    for (DevLayer& L : layers_) {
+      cuda::router_fold_weights(L.router_w, L.router_scale, E, H, L.router_fold, stream_);
+      cuda::router_fold_o_proj(L.wo, H, cfg_.num_heads * L.shape.head_dim, L.post_attn, L.router_fold, E,
+                               L.router_wpa, stream_);
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
   // Every layer's exp_gu / exp_down (pack_gate_up_ / pack_down_) from the checkpoint layout into the packed one,
@@ -325,6 +348,7 @@ class CudaWeights {
   float *final_norm_ = nullptr, *sc_pre_norm_ = nullptr;
   bool pack_gate_up_ = false;     // CudaOptions::pack_expert_gate_up where the shapes and the GPU allow it
   bool pack_down_ = false;        // CudaOptions::pack_expert_down likewise
+  bool split_router_ = false;     // DevLayer::router_fold / router_wpa are made (cuda::split_router_supported)
   std::vector<DevLayer> layers_;  // weight pointers only (no KV)
 };
 
@@ -364,6 +388,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&overflow_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&assigned_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&overflowed_, cudaEventDisableTiming));
+    for (cudaEvent_t* ev : {&router_fork_, &router_att_, &router_join_})
+      CUDA_CHECK(cudaEventCreateWithFlags(ev, cudaEventDisableTiming));
     tm_ = std::max(opt.prefill_chunk, cfg_.canvas_length);
     if (opt.sliding_rewind < 0) fail("CudaOptions::sliding_rewind must be >= 0");
     if (opt.tma_weight_l2_promotion != 0 && opt.tma_weight_l2_promotion != 128 && opt.tma_weight_l2_promotion != 256)
@@ -451,6 +477,7 @@ class CudaBackend final : public Backend {
     cudaEventDestroy(grouped_);
     cudaEventDestroy(assigned_);
     cudaEventDestroy(overflowed_);
+    for (cudaEvent_t ev : {router_fork_, router_att_, router_join_}) cudaEventDestroy(ev);
     cudaStreamDestroy(overflow_);
     cudaStreamDestroy(side_);
     cudaFree(arena_.base);
@@ -878,9 +905,47 @@ class CudaBackend final : public Backend {
     const int E = cfg_.num_experts, K = cfg_.top_k_experts;
     const float eps = cfg_.rms_norm_eps;
     const bool sliding = L.shape.kind == LayerKind::Sliding;
+    const int Ie = cfg_.moe_intermediate_size;
+    // Canvas-sized passes (denoise, commit): experts padded to M rows as one strided-batched cuBLASLt GEMM each
+    // (weights stream at ~4.1 instead of ~3.4 TB/s); the rare rows past M go through the grouped kernels.
+    const bool padded_ok = opt_.padded_experts && T <= cfg_.canvas_length;
+    const int M = padded_ok ? cuda::moe_padded_rows_per_expert(T, K, E) : 0;
+    // TMA gate_up (CudaOptions::tma_experts); its maps were built for the canvas's M (32). With
+    // CudaOptions::tma_gather_rows it reads each expert's token rows from xe itself (slot_token), so no gather
+    // kernel stands between the assignment and the experts; only the rare overflow rows are gathered, on the
+    // overflow GEMMs' stream.
+    const bool tma = padded_ok && use_tma_experts_ && M == cuda::moe_padded_rows_per_expert(cfg_.canvas_length, K, E);
+    // Packed expert weights (CudaOptions::pack_expert_gate_up / _down) are read by the TMA and the grouped kernels
+    // only: a padded pass that cannot take the TMA path (cuBLASLt's GEMMs read the checkpoint layout) runs grouped.
+    const bool padded = padded_ok && (tma || (!L.gu_packed && !L.dn_packed));
+    const bool gathered = tma && opt_.tma_gather_rows;
+    // CudaOptions::fused_router: the router GEMM and top-k in two launches, which also leave each expert's tokens as
+    // a bit mask. With the gathered TMA gate_up, that kernel then reads its experts' tokens from the masks ("masked"),
+    // and the assignment (for the combine, the overflow rows) runs beside it on the side stream instead of between the
+    // router and the experts. The TMA down kernel then counts its experts' rows from the masks too.
+    const bool fused_router = padded && opt_.fused_router && cuda::router_fused_supported(E, H, K);
+    const bool masked = fused_router && gathered && T <= 1024;
+    // The dense MLP (compute-bound) and the router + experts (latency- then bandwidth-bound) are independent until
+    // the combine: the dense MLP runs on a side stream (fork/join events, captured into the graph as parallel
+    // branches). Stage-timed, traced and GEMM-tuning passes keep one stream so their times stay attributable.
+    const bool overlap = opt_.overlap_dense_mlp && !timing_ && !trace_ && !cuda::gemm_tuning();
+    // CudaOptions::split_router (denoise passes on the masked path): px = h Wf^T from the layer's input now and pa =
+    // att Wpa^T after the attention, both on the side stream; the pre-FFN norm kernel then routes (cuda_kernels.h).
+    const bool split_router = pass == Pass::Decoder && masked && opt_.split_router && L.router_wpa;
+    cudaStream_t router_stream = overlap ? side_ : stream_;
+    cuda::Gemm& router_gemm = overlap ? *gemm_side_ : *gemm_;
 
     // Layer l > 0 finds its input norm in x already: the previous layer's combine kernel wrote it.
     if (l == 0) cuda::rms_norm_f32_to_bf16(s_.h, T, H, L.input_norm, eps, s_.x, stream_);
+    if (split_router) {
+      if (overlap) {
+        CUDA_CHECK(cudaEventRecord(router_fork_, stream_));
+        CUDA_CHECK(cudaStreamWaitEvent(side_, router_fork_));
+      }
+      // the route ORs its bits in; the previous layer's readers of the masks have ended (its combine waited for them)
+      CUDA_CHECK(cudaMemsetAsync(s_.expert_masks, 0, cuda::expert_mask_words(T, E) * sizeof(unsigned), router_stream));
+      router_gemm.linear(s_.h, Dt::F32, T, L.router_fold, Dt::F32, E, H, s_.router_px, Dt::F32, router_stream);
+    }
     // CudaOptions::dense_tma (plan_dense_tma): qkv and o_proj as split-K partials, summed by their readers
     const bool dense = pass == Pass::Decoder && T <= cfg_.canvas_length;
     const int qkv_splits = dense ? L.qkv_splits : 0, o_splits = dense ? L.o_splits : 0;
@@ -918,41 +983,36 @@ class CudaBackend final : public Backend {
       cuda::attention(a, stream_);
     }
     mark(kStAttention);
+    if (split_router) {
+      if (overlap) {
+        CUDA_CHECK(cudaEventRecord(router_att_, stream_));
+        CUDA_CHECK(cudaStreamWaitEvent(side_, router_att_));
+      }
+      router_gemm.linear(s_.att, Dt::BF16, T, L.router_wpa, Dt::BF16, 2 * E, nh * D, s_.router_pa, Dt::F32,
+                         router_stream);
+      if (overlap) CUDA_CHECK(cudaEventRecord(router_join_, side_));
+    }
     if (pass == Pass::Encoder) cuda::kv_write(s_.kn, s_.vn, T, nkv * D, kv_len_, L.kc, L.vc, L.cap, stream_);
     if (o_splits > 0)
       cuda::dense_tma_splitk(L.wo_map, cuda::dense_tma_token_map(s_.att, T, nh * D, dcl), T, H, nh * D, o_splits, dcl,
                              s_.dense_part, stream_);
     else
       gemm_->linear(s_.att, Dt::BF16, T, L.wo, Dt::BF16, H, nh * D, s_.a, Dt::BF16, stream_);
-    // h += rms(attention out; post_attn), then the FFN inputs x1, xe, xr from the new h: one kernel.
-    cuda::add_rms_norm_pre_ffn(s_.h, s_.a, T, H, L.post_attn, L.pre_ff, L.pre_ff2, L.router_scale, eps, s_.x1, s_.xe,
-                               s_.xr, stream_, o_splits > 0 ? s_.dense_part : nullptr, o_splits);
+    // h += rms(attention out; post_attn), then the FFN inputs x1, xe, xr from the new h: one kernel (with the split
+    // router it routes instead of writing xr).
+    if (split_router) {
+      if (o_splits > 0)  // its a rows are read as bf16: sum the partials first
+        cuda::dense_splits_to_bf16(s_.dense_part, o_splits, T, H, s_.a, stream_);
+      if (overlap) CUDA_CHECK(cudaStreamWaitEvent(stream_, router_join_));
+      cuda::add_rms_norm_pre_ffn_route(s_.h, s_.a, T, H, L.post_attn, L.pre_ff, L.pre_ff2, eps, s_.x1, s_.xe,
+                                       s_.router_px, s_.router_pa, E, K, L.pes, s_.rl, s_.idx, s_.wk,
+                                       s_.expert_masks, stream_);
+    } else {
+      cuda::add_rms_norm_pre_ffn(s_.h, s_.a, T, H, L.post_attn, L.pre_ff, L.pre_ff2, L.router_scale, eps, s_.x1,
+                                 s_.xe, s_.xr, stream_, o_splits > 0 ? s_.dense_part : nullptr, o_splits);
+    }
     mark(kStOProj);
 
-    const int Ie = cfg_.moe_intermediate_size;
-    // Canvas-sized passes (denoise, commit): experts padded to M rows as one strided-batched cuBLASLt GEMM each
-    // (weights stream at ~4.1 instead of ~3.4 TB/s); the rare rows past M go through the grouped kernels.
-    const bool padded_ok = opt_.padded_experts && T <= cfg_.canvas_length;
-    const int M = padded_ok ? cuda::moe_padded_rows_per_expert(T, K, E) : 0;
-    // TMA gate_up (CudaOptions::tma_experts); its maps were built for the canvas's M (32). With
-    // CudaOptions::tma_gather_rows it reads each expert's token rows from xe itself (slot_token), so no gather
-    // kernel stands between the assignment and the experts; only the rare overflow rows are gathered, on the
-    // overflow GEMMs' stream.
-    const bool tma = padded_ok && use_tma_experts_ && M == cuda::moe_padded_rows_per_expert(cfg_.canvas_length, K, E);
-    // Packed expert weights (CudaOptions::pack_expert_gate_up / _down) are read by the TMA and the grouped kernels
-    // only: a padded pass that cannot take the TMA path (cuBLASLt's GEMMs read the checkpoint layout) runs grouped.
-    const bool padded = padded_ok && (tma || (!L.gu_packed && !L.dn_packed));
-    const bool gathered = tma && opt_.tma_gather_rows;
-    // CudaOptions::fused_router: the router GEMM and top-k in two launches, which also leave each expert's tokens as
-    // a bit mask. With the gathered TMA gate_up, that kernel then reads its experts' tokens from the masks ("masked"),
-    // and the assignment (for the combine, the overflow rows) runs beside it on the side stream instead of between the
-    // router and the experts. The TMA down kernel then counts its experts' rows from the masks too.
-    const bool fused_router = padded && opt_.fused_router && cuda::router_fused_supported(E, H, K);
-    const bool masked = fused_router && gathered && T <= 1024;
-    // The dense MLP (compute-bound) and the router + experts (latency- then bandwidth-bound) are independent until
-    // the combine: the dense MLP runs on a side stream (fork/join events, captured into the graph as parallel
-    // branches). Stage-timed, traced and GEMM-tuning passes keep one stream so their times stay attributable.
-    const bool overlap = opt_.overlap_dense_mlp && !timing_ && !trace_ && !cuda::gemm_tuning();
     // The experts' output rows: bf16 on denoise passes (CudaOptions::bf16_expert_rows), else f32.
     const cuda::ExpertRows y = pass == Pass::Decoder && opt_.bf16_expert_rows
                                    ? cuda::ExpertRows(reinterpret_cast<bf16*>(s_.y))
@@ -985,7 +1045,9 @@ class CudaBackend final : public Backend {
       gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
     }
     mark(kStDenseMlp);
-    if (fused_router) {
+    if (split_router) {
+      // routed by the pre-FFN norm kernel
+    } else if (fused_router) {
       cuda::router_top_k(s_.xr, T, H, L.router_w, E, K, L.pes, s_.router_partial, s_.rl, s_.idx, s_.wk,
                          s_.expert_masks, stream_);
     } else {
@@ -1145,6 +1207,8 @@ class CudaBackend final : public Backend {
     s_.xr = ar.take<float>(Tm * H);
     s_.rl = ar.take<float>(Tm * E);
     s_.router_partial = ar.take<float>(cuda::router_partial_floats(int(Lc), int(H)));
+    s_.router_px = ar.take<float>(Lc * E);
+    s_.router_pa = ar.take<float>(Lc * 2 * E);
     size_t dense_part = 0;
     for (const DevLayer& L : layers_)
       dense_part = std::max({dense_part, size_t(L.qkv_splits) * size_t(L.nqkv), size_t(L.o_splits) * H});
@@ -1197,6 +1261,9 @@ class CudaBackend final : public Backend {
   cudaEvent_t grouped_ = nullptr;  // main -> side: the expert rows are grouped (the overflow kernels may start)
   cudaStream_t overflow_ = nullptr;  // the overflow rows' branch (CudaOptions::overflow_stream)
   cudaEvent_t assigned_ = nullptr, overflowed_ = nullptr;  // side -> overflow_, overflow_ -> main
+  // CudaOptions::split_router: main -> side at the layer's start and after the attention, side -> main before the
+  // pre-FFN norm that routes
+  cudaEvent_t router_fork_ = nullptr, router_att_ = nullptr, router_join_ = nullptr;
   int tm_ = 0;
   Arena arena_;
   std::unique_ptr<cuda::Gemm> gemm_, gemm_side_, gemm_tail_;

@@ -10,6 +10,7 @@
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/cuda_util.cuh"
+#include "backend/cuda/warp_top_k.cuh"
 
 namespace dg::cuda {
 namespace {
@@ -280,10 +281,11 @@ __device__ __forceinline__ FfnWeights<NV> load_ffn_weights(const float* w_pre, c
   return f;
 }
 
-// From the residual row r (in registers): x1 = rms(r; w_pre), xe = rms(r; w_pre2), xr = rms_noscale(r) * rs / sqrt(n).
+// From the residual row r (in registers): x1 = rms(r; w_pre), xe = rms(r; w_pre2), xr = rms_noscale(r) * rs / sqrt(n)
+// (xr null: not stored). Returns the row's norm factor.
 template <int NV>
-__device__ __forceinline__ void store_ffn_inputs(const RowVec<NV>& r, int n, size_t off, const FfnWeights<NV>& f,
-                                                 float eps, bf16* x1, bf16* xe, float* xr) {
+__device__ __forceinline__ float store_ffn_inputs(const RowVec<NV>& r, int n, size_t off, const FfnWeights<NV>& f,
+                                                  float eps, bf16* x1, bf16* xe, float* xr) {
   const int n4 = n / 4;
   const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
   const float inv_sqrt_n = 1.0f / sqrtf(float(n));
@@ -294,11 +296,14 @@ __device__ __forceinline__ void store_ffn_inputs(const RowVec<NV>& r, int n, siz
       const float4 v = mul4(r.v[j], inv, make_float4(1, 1, 1, 1));
       st4(x1 + off, c, mul4(v, 1.0f, f.pre[j]));
       st4(xe + off, c, mul4(v, 1.0f, f.pre2[j]));
-      const float4 q = f.rs[j];
-      st4(xr + off, c, make_float4(v.x * q.x * inv_sqrt_n, v.y * q.y * inv_sqrt_n, v.z * q.z * inv_sqrt_n,
-                                   v.w * q.w * inv_sqrt_n));
+      if (xr) {
+        const float4 q = f.rs[j];
+        st4(xr + off, c, make_float4(v.x * q.x * inv_sqrt_n, v.y * q.y * inv_sqrt_n, v.z * q.z * inv_sqrt_n,
+                                     v.w * q.w * inv_sqrt_n));
+      }
     }
   }
+  return inv;
 }
 
 template <int NV>
@@ -317,14 +322,27 @@ __global__ void __launch_bounds__(kVecThreads) pre_ffn_vec_k(const float* h, int
 // griddepcontrol.wait; after it, the attention output and the residual rows in one round trip. (It waited for three
 // dependent round trips before: 7.9-8.9 us a layer at T = 256 in the H200 profile, session 11.)
 // a_part: a as split-K partials (load_splits_bf16), a_splits of them [a_splits][rows][n].
-template <int NV>
+// ROUTE (add_rms_norm_pre_ffn_route): no xr; warp 0 routes the row from the split router's px / pa (cuda_kernels.h).
+struct SplitRoute {
+  const float* px;  // [rows, E]
+  const float* pa;  // [rows, 2E]: hi columns, then lo
+  int E, k;
+  const float* pes;
+  float* logits;  // [rows, E] or null
+  int32_t* idx;
+  float* w;
+  unsigned* masks;  // [E][ceil(rows / 32)], zero before the launch
+};
+template <int NV, bool ROUTE>
 __global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float* h, const bf16* a, int n,
                                                                           const float* w_post, const float* w_pre,
                                                                           const float* w_pre2, const float* rs,
                                                                           float eps, bf16* x1, bf16* xe, float* xr,
-                                                                          const float* a_part, int a_splits) {
+                                                                          const float* a_part, int a_splits,
+                                                                          SplitRoute route) {
   const int n4 = n / 4;
-  const FfnWeights<NV> f = load_ffn_weights<NV>(w_pre, w_pre2, rs, n4);
+  // (ROUTE has no router_scale, which is folded into the split router's weights: any valid pointer will do.)
+  const FfnWeights<NV> f = load_ffn_weights<NV>(w_pre, w_pre2, ROUTE ? w_pre : rs, n4);
   float4 wp[NV];
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
@@ -337,6 +355,15 @@ __global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float*
   const RowVec<NV> ra = a_part ? load_splits_bf16<NV>(a_part + off, n4, a_splits, size_t(gridDim.x) * n)
                                : load_bf16<NV>(a + off, n4);
   RowVec<NV> r = load_f32<NV>(h + off, n4);
+  // The router's row terms, requested with the rows (lane l: experts 4 l .. 4 l + 3)
+  const int lane = threadIdx.x & 31;
+  const bool router_lane = ROUTE && threadIdx.x < 32 && 4 * lane < route.E;
+  float4 px = make_float4(0, 0, 0, 0), hi = px, lo = px;
+  if (router_lane) {
+    px = ld4(route.px + size_t(blockIdx.x) * route.E, lane);
+    hi = ld4(route.pa + size_t(blockIdx.x) * 2 * route.E, lane);
+    lo = ld4(route.pa + size_t(blockIdx.x) * 2 * route.E + route.E, lane);
+  }
   const float inv_a = rsqrtf(block_sum(sum_sq(ra)) / float(n) + eps);
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
@@ -349,7 +376,17 @@ __global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float*
       r.v[j] = hv;
     }
   }
-  store_ffn_inputs(r, n, off, f, eps, x1, xe, xr);
+  const float inv_h = store_ffn_inputs(r, n, off, f, eps, x1, xe, ROUTE ? nullptr : xr);
+  if constexpr (ROUTE) {
+    if (threadIdx.x >= 32) return;
+    const int t = blockIdx.x;
+    float l[4] = {inv_h * (px.x + inv_a * (hi.x + lo.x)), inv_h * (px.y + inv_a * (hi.y + lo.y)),
+                  inv_h * (px.z + inv_a * (hi.z + lo.z)), inv_h * (px.w + inv_a * (hi.w + lo.w))};
+    if (route.logits && router_lane) st4(route.logits + size_t(t) * route.E, lane, make_float4(l[0], l[1], l[2], l[3]));
+    const int e = warp_top_k(l, [lane](int j) { return 4 * lane + j; }, route.E, route.k, route.pes,
+                             route.idx + size_t(t) * route.k, route.w + size_t(t) * route.k);
+    if (lane < route.k) atomicOr(route.masks + size_t(e) * ((gridDim.x + 31) / 32) + (t >> 5), 1u << (t & 31));
+  }
 }
 
 // NV for a row of n floats, 0 when the vector path does not apply.
@@ -1060,12 +1097,33 @@ void add_rms_norm_pre_ffn(float* h, const bf16* a, int rows, int n, const float*
     pre_ffn(h, rows, n, w_pre, w_pre2, router_scale, eps, x1, xe, xr, s);
     return;
   }
-  auto* kern = nv == 1   ? add_rms_norm_pre_ffn_vec_k<1>
-               : nv == 2 ? add_rms_norm_pre_ffn_vec_k<2>
-               : nv == 3 ? add_rms_norm_pre_ffn_vec_k<3>
-                         : add_rms_norm_pre_ffn_vec_k<4>;
+  auto* kern = nv == 1   ? add_rms_norm_pre_ffn_vec_k<1, false>
+               : nv == 2 ? add_rms_norm_pre_ffn_vec_k<2, false>
+               : nv == 3 ? add_rms_norm_pre_ffn_vec_k<3, false>
+                         : add_rms_norm_pre_ffn_vec_k<4, false>;
   launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, h, a, n, w_post, w_pre, w_pre2, router_scale, eps, x1, xe, xr,
-             a_part, a_splits);
+             a_part, a_splits, SplitRoute{});
+  CUDA_CHECK_LAUNCH();
+}
+bool split_router_supported(int E, int n, int k) {
+  return E >= 4 && E % 4 == 0 && E <= 128 && k >= 1 && k <= 32 && k <= E && row_vec_nv(n) > 0;
+}
+void add_rms_norm_pre_ffn_route(float* h, const bf16* a, int rows, int n, const float* w_post, const float* w_pre,
+                                const float* w_pre2, float eps, bf16* x1, bf16* xe, const float* px, const float* pa,
+                                int E, int k, const float* pes, float* logits, int32_t* idx, float* w,
+                                unsigned* masks, cudaStream_t s) {
+  if (rows == 0) return;
+  if (!split_router_supported(E, n, k))
+    throw_cuda_error("add_rms_norm_pre_ffn_route",
+                     "needs E % 4 == 0, E <= 128, k <= min(32, E) and n % 4 == 0, n <= 4096", E, __FILE__, __LINE__);
+  const int nv = row_vec_nv(n);
+  auto* kern = nv == 1   ? add_rms_norm_pre_ffn_vec_k<1, true>
+               : nv == 2 ? add_rms_norm_pre_ffn_vec_k<2, true>
+               : nv == 3 ? add_rms_norm_pre_ffn_vec_k<3, true>
+                         : add_rms_norm_pre_ffn_vec_k<4, true>;
+  launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, h, a, n, w_post, w_pre, w_pre2,
+             static_cast<const float*>(nullptr), eps, x1, xe, static_cast<float*>(nullptr), static_cast<const float*>(nullptr), 0,
+             SplitRoute{px, pa, E, k, pes, logits, idx, w, masks});
   CUDA_CHECK_LAUNCH();
 }
 void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, const float* w1, const float* w2,
