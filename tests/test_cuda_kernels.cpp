@@ -877,10 +877,11 @@ TEST(CudaKernels, AddRmsNormPreFfn) {
 }
 
 // The split router (CudaOptions::split_router; the algebra in cuda_kernels.h) against router_top_k on the same layer:
-// a = bf16(att Wo^T), h' = h + rms(a; w_post). add_rms_norm_pre_ffn_route must leave h, x1, xe bitwise as
-// add_rms_norm_pre_ffn does; its logits must match a double evaluation of the split formula (Wpa's hi + lo against
-// M in double where the sizes allow) and router_top_k's logits to a's bf16 rounding; its selection and masks must be
-// route_top_k's rules on its own logits (the masks start as the zeros the engine's memset leaves); bitwise repeatable.
+// a_ext = att [Wo; Wpa]^T in f32 (the engine's o_proj GEMM), a = bf16(a_ext[:, :H]), h' = h + rms(a; w_post).
+// add_rms_norm_pre_ffn_route must leave h, x1, xe bitwise as add_rms_norm_pre_ffn does on a; its logits must match a
+// double evaluation of the split formula (Wpa's hi + lo against M in double where the sizes allow) and router_top_k's
+// logits to a's bf16 rounding; its selection and masks must be route_top_k's rules on its own logits (the masks start
+// poisoned: the partials launch clears them); bitwise repeatable.
 std::vector<unsigned> expert_masks_of(const std::vector<int32_t>& idx, int T, int E, int k);  // below
 
 TEST(CudaKernels, SplitRouter) {
@@ -898,27 +899,40 @@ TEST(CudaKernels, SplitRouter) {
     auto W = rnd(size_t(E) * H, -0.05f, 0.05f), pes = rnd(size_t(E), 0.5f, 1.5f);
     Dev<float> dh(h.size()), dh2(h.size()), dwp(H), dw1(H), dw2(H), drs(H), dW(W.size()), dpes(E), xr(h.size());
     Dev<float> partial(router_partial_floats(T, H)), rl_old(size_t(T) * E), w_old(size_t(T) * k);
-    Dev<float> Wf(W.size()), px(size_t(T) * E), pa(size_t(T) * 2 * E), rl(size_t(T) * E), wk(size_t(T) * k);
-    Dev<bf16> datt(att.size()), dWo(Wo.size()), Wpa(size_t(2) * E * K), a(h.size());
+    const int lda = H + 2 * E;
+    Dev<float> Wf(W.size()), a_ext(size_t(T) * lda), rl(size_t(T) * E), wk(size_t(T) * k);
+    Dev<float> px_part(router_partial_floats(T, H));
+    Dev<bf16> datt(att.size()), Wo_ext(size_t(lda) * K), a(h.size());
+    bf16* dWo = Wo_ext.p;  // rows [0, H): Wo; then Wpa's 2E rows
+    bf16* Wpa = Wo_ext.p + size_t(H) * K;
     Dev<bf16> x1(h.size()), xe(h.size()), x1b(h.size()), xeb(h.size());
     Dev<int32_t> idx_old(size_t(T) * k), idx(size_t(T) * k);
     Dev<unsigned> masks_old(expert_mask_words(T, E)), masks(expert_mask_words(T, E));
-    dh.put(h), dh2.put(h), datt.put(to_bf16(att)), dWo.put(to_bf16(Wo)), dwp.put(wp), dw1.put(w1), dw2.put(w2);
+    const auto Wo_b = to_bf16(Wo);
+    CUDA_CHECK(cudaMemcpy(dWo, Wo_b.data(), Wo_b.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+    dh.put(h), dh2.put(h), datt.put(to_bf16(att)), dwp.put(wp), dw1.put(w1), dw2.put(w2);
     drs.put(rs), dW.put(W), dpes.put(pes);
-    gemm.linear(datt.p, Dt::BF16, T, dWo.p, Dt::BF16, H, K, a.p, Dt::BF16, nullptr);
+    router_fold_weights(dW.p, drs.p, E, H, Wf.p, nullptr);
+    router_fold_o_proj(dWo, H, K, dwp.p, Wf.p, E, Wpa, nullptr);
+    gemm.linear(datt.p, Dt::BF16, T, Wo_ext.p, Dt::BF16, lda, K, a_ext.p, Dt::F32, nullptr);
+    {  // a: the bf16 rounding of a_ext's first H columns (what a bf16 o_proj output of the same sums holds)
+      const auto ge = a_ext.get();
+      std::vector<float> av(size_t(T) * H);
+      for (int t = 0; t < T; ++t)
+        for (int j = 0; j < H; ++j) av[size_t(t) * H + j] = ge[size_t(t) * lda + j];
+      a.put(to_bf16(av));
+    }
     // router_top_k's path
     add_rms_norm_pre_ffn(dh.p, a.p, T, H, dwp.p, dw1.p, dw2.p, drs.p, eps, x1.p, xe.p, xr.p, nullptr);
     router_top_k(xr.p, T, H, dW.p, E, k, dpes.p, partial.p, rl_old.p, idx_old.p, w_old.p, masks_old.p, nullptr);
-    // the split path
-    router_fold_weights(dW.p, drs.p, E, H, Wf.p, nullptr);
-    router_fold_o_proj(dWo.p, H, K, dwp.p, Wf.p, E, Wpa.p, nullptr);
+    // the split path: px's partials (which clear the masks) from the layer's input h, then the routing norm
     auto run = [&] {
       dh2.put(h);
-      CUDA_CHECK(cudaMemset(masks.p, 0, masks.n * sizeof(unsigned)));
-      gemm.linear(dh2.p, Dt::F32, T, Wf.p, Dt::F32, E, H, px.p, Dt::F32, nullptr);
-      gemm.linear(datt.p, Dt::BF16, T, Wpa.p, Dt::BF16, 2 * E, K, pa.p, Dt::F32, nullptr);
-      add_rms_norm_pre_ffn_route(dh2.p, a.p, T, H, dwp.p, dw1.p, dw2.p, eps, x1b.p, xeb.p, px.p, pa.p, E, k, dpes.p,
-                                 rl.p, idx.p, wk.p, masks.p, nullptr);
+      CUDA_CHECK(cudaMemset(masks.p, 0xff, masks.n * sizeof(unsigned)));
+      router_top_k_stage(RouterStage::Partials, dh2.p, T, H, Wf.p, E, k, dpes.p, px_part.p, nullptr, nullptr, nullptr,
+                         masks.p, nullptr);
+      add_rms_norm_pre_ffn_route(dh2.p, a_ext.p, lda, T, H, dwp.p, dw1.p, dw2.p, eps, x1b.p, xeb.p, px_part.p,
+                                 router_partial_splits(H), E, k, dpes.p, rl.p, idx.p, wk.p, masks.p, nullptr);
     };
     run();
     const auto gh = dh.get(), gh2 = dh2.get();
@@ -958,7 +972,8 @@ TEST(CudaKernels, SplitRouter) {
     EXPECT_LE(md_old / mr, 5e-3) << what << ": logits vs router_top_k's";
     EXPECT_GT(md_old, 0.0) << what << ": the split path's logits cannot be router_top_k's own";
     if (size_t(H) * K * E <= size_t(50) << 20) {  // Wpa = hi + lo of M = Wo^T diag(w_post) Wf^T
-      const auto gw = from_bf16(Wpa.get());
+      const auto gw = from_bf16(Wo_ext.get());
+      const size_t base = size_t(H) * K;
       double mm = 0, mmr = 0;
       for (int e = 0; e < E; ++e)
         for (int c = 0; c < K; ++c) {
@@ -966,7 +981,7 @@ TEST(CudaKernels, SplitRouter) {
           for (int j = 0; j < H; ++j)
             m += double(Wob[size_t(j) * K + c]) * wp[size_t(j)] *
                  (double(W[size_t(e) * H + j]) * rs[size_t(j)] / std::sqrt(double(H)));
-          const double got = double(gw[size_t(e) * K + c]) + gw[size_t(E + e) * K + c];
+          const double got = double(gw[base + size_t(e) * K + c]) + gw[base + size_t(E + e) * K + c];
           mm = std::max(mm, std::fabs(got - m)), mmr = std::max(mmr, std::fabs(m));
         }
       EXPECT_LE(mm / mmr, 1e-5) << what << ": Wpa";
@@ -992,9 +1007,12 @@ TEST(CudaKernels, SplitRouter) {
   EXPECT_FALSE(split_router_supported(6, 2816, 2));   // E % 4
   EXPECT_FALSE(split_router_supported(132, 2816, 8));  // E > 128
   EXPECT_FALSE(split_router_supported(128, 4098, 8));  // no vector row path
-  EXPECT_THROW(add_rms_norm_pre_ffn_route(nullptr, nullptr, 1, 40, nullptr, nullptr, nullptr, 1e-6f, nullptr, nullptr,
-                                          nullptr, nullptr, 6, 2, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr),
-               std::exception);
+  EXPECT_THROW(add_rms_norm_pre_ffn_route(nullptr, nullptr, 52, 1, 40, nullptr, nullptr, nullptr, 1e-6f, nullptr,
+                                          nullptr, nullptr, 1, 6, 2, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr),
+               std::exception);  // E % 4
+  EXPECT_THROW(add_rms_norm_pre_ffn_route(nullptr, nullptr, 40, 1, 40, nullptr, nullptr, nullptr, 1e-6f, nullptr,
+                                          nullptr, nullptr, 1, 4, 2, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr),
+               std::exception);  // lda < n + 2E
 }
 
 // CPU reference of the routed experts + combine: per token, its k experts in ascending id order, gate/up in double,

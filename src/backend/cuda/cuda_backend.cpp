@@ -41,7 +41,8 @@ struct DevLayer {
   float *q_norm, *k_norm, *input_norm, *post_attn, *pre_ff, *post_ff1, *pre_ff2, *post_ff2, *post_ff;
   float *router_w, *router_scale, *pes, *inv_freq;
   // The split router's folded weights (CudaOptions::split_router; cuda_kernels.h): Wf [E, H] f32 and Wpa [2E, nh D]
-  // bf16, made from the layer's own weights after the upload. Null where split_router_supported is false.
+  // bf16, made from the layer's own weights after the upload. Wpa is the 2E rows after wo's H (one o_proj GEMM on
+  // [wo; Wpa] gives a and att . M). Null where split_router_supported is false.
   float* router_fold = nullptr;
   bf16* router_wpa = nullptr;
   float enc_scalar = 1, dec_scalar = 1;
@@ -66,7 +67,7 @@ struct Scratch {
   int32_t *idx, *offsets, *sorted_pos, *moe_meta;
   int32_t* slot_token;  // [E M]: the token in each padded expert slot (moe_assign_padded), for the gathered gate_up
   float* router_partial;      // router_top_k's split partials (canvas-sized passes)
-  float *router_px, *router_pa;  // the split router's GEMM outputs [canvas, E] and [canvas, 2E]
+  float* a_ext;  // the split router's o_proj output [canvas, H + 2E] f32: a, then att . M (hi, lo)
   float* dense_part;          // dense_tma_splitk's split-K partials (CudaOptions::dense_tma), else null
   unsigned* expert_masks;      // router_top_k's token bit masks of each expert
   unsigned* expert_tile_counters;  // gate_up's tile counters (CudaOptions::dynamic_expert_tiles): zeroed once, left
@@ -151,7 +152,8 @@ class CudaWeights {
       const size_t D = size_t(L.shape.head_dim), nkv = size_t(L.shape.n_kv_heads);
       L.nqkv = int((nh + (L.shape.has_v_proj ? 2 : 1) * nkv) * D);
       L.wqkv = ar.take<bf16>(size_t(L.nqkv) * H);
-      L.wo = ar.take<bf16>(H * nh * D);
+      L.wo = ar.take<bf16>((H + (split_router_ ? 2 * E : 0)) * nh * D);
+      L.router_wpa = split_router_ && L.wo ? L.wo + H * nh * D : nullptr;
       L.dense_gu = ar.take<bf16>(2 * Id * H);
       L.dense_down = ar.take<bf16>(H * Id);
       L.exp_gu = ar.take<bf16>(E * 2 * Ie * H);
@@ -164,10 +166,7 @@ class CudaWeights {
       L.router_w = ar.take<float>(E * H);
       L.pes = ar.take<float>(E);
       L.inv_freq = ar.take<float>(D / 2);
-      if (split_router_) {
-        L.router_fold = ar.take<float>(E * H);
-        L.router_wpa = ar.take<bf16>(2 * E * nh * D);
-      }
+      if (split_router_) L.router_fold = ar.take<float>(E * H);
     }
   }
 
@@ -388,7 +387,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&overflow_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&assigned_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&overflowed_, cudaEventDisableTiming));
-    for (cudaEvent_t* ev : {&router_fork_, &router_att_, &router_join_})
+    for (cudaEvent_t* ev : {&router_fork_, &router_join_})
       CUDA_CHECK(cudaEventCreateWithFlags(ev, cudaEventDisableTiming));
     tm_ = std::max(opt.prefill_chunk, cfg_.canvas_length);
     if (opt.sliding_rewind < 0) fail("CudaOptions::sliding_rewind must be >= 0");
@@ -407,6 +406,9 @@ class CudaBackend final : public Backend {
     attn_ld_ = cuda::gemm_attention_key_columns(
         int(std::min<int64_t>(opt.max_context, std::max(1, opt.gemm_attention_max_keys))));
 
+    if (opt.split_router_fork != 0 && opt.split_router_fork != 1)
+      fail("CudaOptions::split_router_fork must be 0 (layer start) or 1 (after q/k norm + rope), got {}",
+           opt.split_router_fork);
     if (opt.dense_tma_cluster != 1 && opt.dense_tma_cluster != 2)
       fail("CudaOptions::dense_tma_cluster must be 1 or 2, got {}", opt.dense_tma_cluster);
     plan_dense_tma();
@@ -477,7 +479,7 @@ class CudaBackend final : public Backend {
     cudaEventDestroy(grouped_);
     cudaEventDestroy(assigned_);
     cudaEventDestroy(overflowed_);
-    for (cudaEvent_t ev : {router_fork_, router_att_, router_join_}) cudaEventDestroy(ev);
+    for (cudaEvent_t ev : {router_fork_, router_join_}) cudaEventDestroy(ev);
     cudaStreamDestroy(overflow_);
     cudaStreamDestroy(side_);
     cudaFree(arena_.base);
@@ -929,23 +931,26 @@ class CudaBackend final : public Backend {
     // the combine: the dense MLP runs on a side stream (fork/join events, captured into the graph as parallel
     // branches). Stage-timed, traced and GEMM-tuning passes keep one stream so their times stay attributable.
     const bool overlap = opt_.overlap_dense_mlp && !timing_ && !trace_ && !cuda::gemm_tuning();
-    // CudaOptions::split_router (denoise passes on the masked path): px = h Wf^T from the layer's input now and pa =
-    // att Wpa^T after the attention, both on the side stream; the pre-FFN norm kernel then routes (cuda_kernels.h).
-    const bool split_router = pass == Pass::Decoder && masked && opt_.split_router && L.router_wpa;
-    cudaStream_t router_stream = overlap ? side_ : stream_;
-    cuda::Gemm& router_gemm = overlap ? *gemm_side_ : *gemm_;
-
-    // Layer l > 0 finds its input norm in x already: the previous layer's combine kernel wrote it.
-    if (l == 0) cuda::rms_norm_f32_to_bf16(s_.h, T, H, L.input_norm, eps, s_.x, stream_);
-    if (split_router) {
+    // CudaOptions::split_router (denoise passes on the masked path; cuda_kernels.h): px's partials from the layer's
+    // input on the side stream (at the layer's start or beside the attention: split_router_fork), att . M from the
+    // o_proj GEMM on [wo; Wpa], and the pre-FFN norm kernel routes.
+    const bool split_router =
+        pass == Pass::Decoder && masked && opt_.split_router && L.router_wpa && L.router_fold && L.o_splits == 0;
+    auto split_router_px = [&] {
+      cudaStream_t st = overlap ? side_ : stream_;
       if (overlap) {
         CUDA_CHECK(cudaEventRecord(router_fork_, stream_));
         CUDA_CHECK(cudaStreamWaitEvent(side_, router_fork_));
       }
-      // the route ORs its bits in; the previous layer's readers of the masks have ended (its combine waited for them)
-      CUDA_CHECK(cudaMemsetAsync(s_.expert_masks, 0, cuda::expert_mask_words(T, E) * sizeof(unsigned), router_stream));
-      router_gemm.linear(s_.h, Dt::F32, T, L.router_fold, Dt::F32, E, H, s_.router_px, Dt::F32, router_stream);
-    }
+      // (also clears the expert masks: the previous layer's readers of them have ended, its combine waited for them)
+      cuda::router_top_k_stage(cuda::RouterStage::Partials, s_.h, T, H, L.router_fold, E, K, L.pes,
+                               s_.router_partial, nullptr, nullptr, nullptr, s_.expert_masks, st);
+      if (overlap) CUDA_CHECK(cudaEventRecord(router_join_, side_));
+    };
+
+    // Layer l > 0 finds its input norm in x already: the previous layer's combine kernel wrote it.
+    if (l == 0) cuda::rms_norm_f32_to_bf16(s_.h, T, H, L.input_norm, eps, s_.x, stream_);
+    if (split_router && opt_.split_router_fork == 0) split_router_px();
     // CudaOptions::dense_tma (plan_dense_tma): qkv and o_proj as split-K partials, summed by their readers
     const bool dense = pass == Pass::Decoder && T <= cfg_.canvas_length;
     const int qkv_splits = dense ? L.qkv_splits : 0, o_splits = dense ? L.o_splits : 0;
@@ -966,6 +971,7 @@ class CudaBackend final : public Backend {
     cuda::qkv_norm_rope(s_.qkv, T, nh, nkv, D, !L.shape.has_v_proj, L.q_norm, L.k_norm, L.inv_freq, kv_len_, eps,
                         s_.q, kn, vn, stream_, qkv_splits > 0 ? s_.dense_part : nullptr, qkv_splits);
     mark(kStAttnProj);
+    if (split_router && opt_.split_router_fork == 1) split_router_px();
     if (gemm_attn) {
       cuda::gemm_attention(*gemm_, gemm_attention_args(L), T, int(n_keys), stream_);
     } else {
@@ -983,30 +989,21 @@ class CudaBackend final : public Backend {
       cuda::attention(a, stream_);
     }
     mark(kStAttention);
-    if (split_router) {
-      if (overlap) {
-        CUDA_CHECK(cudaEventRecord(router_att_, stream_));
-        CUDA_CHECK(cudaStreamWaitEvent(side_, router_att_));
-      }
-      router_gemm.linear(s_.att, Dt::BF16, T, L.router_wpa, Dt::BF16, 2 * E, nh * D, s_.router_pa, Dt::F32,
-                         router_stream);
-      if (overlap) CUDA_CHECK(cudaEventRecord(router_join_, side_));
-    }
     if (pass == Pass::Encoder) cuda::kv_write(s_.kn, s_.vn, T, nkv * D, kv_len_, L.kc, L.vc, L.cap, stream_);
     if (o_splits > 0)
       cuda::dense_tma_splitk(L.wo_map, cuda::dense_tma_token_map(s_.att, T, nh * D, dcl), T, H, nh * D, o_splits, dcl,
                              s_.dense_part, stream_);
+    else if (split_router)
+      gemm_->linear(s_.att, Dt::BF16, T, L.wo, Dt::BF16, H + 2 * E, nh * D, s_.a_ext, Dt::F32, stream_);
     else
       gemm_->linear(s_.att, Dt::BF16, T, L.wo, Dt::BF16, H, nh * D, s_.a, Dt::BF16, stream_);
     // h += rms(attention out; post_attn), then the FFN inputs x1, xe, xr from the new h: one kernel (with the split
     // router it routes instead of writing xr).
     if (split_router) {
-      if (o_splits > 0)  // its a rows are read as bf16: sum the partials first
-        cuda::dense_splits_to_bf16(s_.dense_part, o_splits, T, H, s_.a, stream_);
       if (overlap) CUDA_CHECK(cudaStreamWaitEvent(stream_, router_join_));
-      cuda::add_rms_norm_pre_ffn_route(s_.h, s_.a, T, H, L.post_attn, L.pre_ff, L.pre_ff2, eps, s_.x1, s_.xe,
-                                       s_.router_px, s_.router_pa, E, K, L.pes, s_.rl, s_.idx, s_.wk,
-                                       s_.expert_masks, stream_);
+      cuda::add_rms_norm_pre_ffn_route(s_.h, s_.a_ext, H + 2 * E, T, H, L.post_attn, L.pre_ff, L.pre_ff2, eps, s_.x1,
+                                       s_.xe, s_.router_partial, cuda::router_partial_splits(H), E, K, L.pes, s_.rl,
+                                       s_.idx, s_.wk, s_.expert_masks, stream_);
     } else {
       cuda::add_rms_norm_pre_ffn(s_.h, s_.a, T, H, L.post_attn, L.pre_ff, L.pre_ff2, L.router_scale, eps, s_.x1,
                                  s_.xe, s_.xr, stream_, o_splits > 0 ? s_.dense_part : nullptr, o_splits);
@@ -1207,8 +1204,7 @@ class CudaBackend final : public Backend {
     s_.xr = ar.take<float>(Tm * H);
     s_.rl = ar.take<float>(Tm * E);
     s_.router_partial = ar.take<float>(cuda::router_partial_floats(int(Lc), int(H)));
-    s_.router_px = ar.take<float>(Lc * E);
-    s_.router_pa = ar.take<float>(Lc * 2 * E);
+    s_.a_ext = ar.take<float>(Lc * (H + 2 * E));
     size_t dense_part = 0;
     for (const DevLayer& L : layers_)
       dense_part = std::max({dense_part, size_t(L.qkv_splits) * size_t(L.nqkv), size_t(L.o_splits) * H});
@@ -1261,9 +1257,8 @@ class CudaBackend final : public Backend {
   cudaEvent_t grouped_ = nullptr;  // main -> side: the expert rows are grouped (the overflow kernels may start)
   cudaStream_t overflow_ = nullptr;  // the overflow rows' branch (CudaOptions::overflow_stream)
   cudaEvent_t assigned_ = nullptr, overflowed_ = nullptr;  // side -> overflow_, overflow_ -> main
-  // CudaOptions::split_router: main -> side at the layer's start and after the attention, side -> main before the
-  // pre-FFN norm that routes
-  cudaEvent_t router_fork_ = nullptr, router_att_ = nullptr, router_join_ = nullptr;
+  // CudaOptions::split_router: main -> side before px's partials, side -> main before the pre-FFN norm that routes
+  cudaEvent_t router_fork_ = nullptr, router_join_ = nullptr;
   int tm_ = 0;
   Arena arena_;
   std::unique_ptr<cuda::Gemm> gemm_, gemm_side_, gemm_tail_;

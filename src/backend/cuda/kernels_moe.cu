@@ -221,7 +221,7 @@ struct RouterArgs {
   float* w;
   unsigned* masks;  // [E][ceil(T / 32)]
 };
-constexpr int kRtTok = 32, kRtExp = 128, kRtKc = 64, kRtThreads = 256, kRtWarps = kRtThreads / 32;
+constexpr int kRtTok = 32, kRtExp = kRouterPartialExperts, kRtKc = 64, kRtThreads = 256, kRtWarps = kRtThreads / 32;
 constexpr int kRtPad = kRtKc + 4;  // shared row stride (floats): 16-byte aligned, quarter-warp reads conflict-free
 // router_route_k: TOK tokens a block (route_tokens_per_block), kRouteWarpsPerToken warps a token, each with up to
 // kRouteLoads split loads in flight (44 splits at H 2816: 11 a warp, one round). 8 tokens a block (1024 threads, the
@@ -726,6 +726,8 @@ void set_route_tokens_per_block(int tokens) {
   g_route_tokens = tokens;
 }
 int route_tokens_per_block() { return g_route_tokens; }
+
+int router_partial_splits(int H) { return router_split(1, H).splits; }
 
 size_t router_partial_floats(int T, int H) { return size_t(router_split(T, H).splits) * size_t(T) * kRtExp; }
 

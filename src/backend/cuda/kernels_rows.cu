@@ -322,10 +322,14 @@ __global__ void __launch_bounds__(kVecThreads) pre_ffn_vec_k(const float* h, int
 // griddepcontrol.wait; after it, the attention output and the residual rows in one round trip. (It waited for three
 // dependent round trips before: 7.9-8.9 us a layer at T = 256 in the H200 profile, session 11.)
 // a_part: a as split-K partials (load_splits_bf16), a_splits of them [a_splits][rows][n].
-// ROUTE (add_rms_norm_pre_ffn_route): no xr; warp 0 routes the row from the split router's px / pa (cuda_kernels.h).
+// ROUTE (add_rms_norm_pre_ffn_route): a from the f32 a_ext, no xr; the warps add px's split partials, warp 0 routes
+// the row (cuda_kernels.h).
+constexpr int kPxLoads = 8;  // px partials a warp keeps in flight: up to 8 warps x 8 = 64 splits (n <= 4096)
 struct SplitRoute {
-  const float* px;  // [rows, E]
-  const float* pa;  // [rows, 2E]: hi columns, then lo
+  const float* a_ext;  // [rows, lda]: a, then att . M's hi and lo columns
+  int lda;
+  const float* px_part;  // [px_splits][rows][kRouterPartialExperts]
+  int px_splits;
   int E, k;
   const float* pes;
   float* logits;  // [rows, E] or null
@@ -352,17 +356,31 @@ __global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float*
   pdl_wait();  // launch.cuh: only the constant weights above were read before it
   pdl_trigger();
   const size_t off = size_t(blockIdx.x) * n;
-  const RowVec<NV> ra = a_part ? load_splits_bf16<NV>(a_part + off, n4, a_splits, size_t(gridDim.x) * n)
-                               : load_bf16<NV>(a + off, n4);
+  const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float* ax = ROUTE ? route.a_ext + size_t(t) * route.lda : nullptr;
+  const RowVec<NV> ra = ROUTE    ? load_splits_bf16<NV>(ax, n4, 1, 0)
+                        : a_part ? load_splits_bf16<NV>(a_part + off, n4, a_splits, size_t(gridDim.x) * n)
+                                 : load_bf16<NV>(a + off, n4);
   RowVec<NV> r = load_f32<NV>(h + off, n4);
-  // The router's row terms, requested with the rows (lane l: experts 4 l .. 4 l + 3)
-  const int lane = threadIdx.x & 31;
-  const bool router_lane = ROUTE && threadIdx.x < 32 && 4 * lane < route.E;
-  float4 px = make_float4(0, 0, 0, 0), hi = px, lo = px;
-  if (router_lane) {
-    px = ld4(route.px + size_t(blockIdx.x) * route.E, lane);
-    hi = ld4(route.pa + size_t(blockIdx.x) * 2 * route.E, lane);
-    lo = ld4(route.pa + size_t(blockIdx.x) * 2 * route.E + route.E, lane);
+  // The router's row terms, requested with the rows (lane l: experts 4 l .. 4 l + 3); warp w adds px's splits w,
+  // w + 8, ... in that order.
+  const bool expert_lane = ROUTE && 4 * lane < route.E;
+  float4 hi = make_float4(0, 0, 0, 0), lo = hi, px = hi;
+  if constexpr (ROUTE) {
+    if (expert_lane) {
+      float4 pv[kPxLoads];
+#pragma unroll
+      for (int u = 0; u < kPxLoads; ++u) {
+        const int sp = warp + (kVecThreads / 32) * u;
+        if (sp < route.px_splits)
+          pv[u] = ld4(route.px_part + (size_t(sp) * gridDim.x + t) * kRouterPartialExperts, lane);
+      }
+      if (warp == 0) hi = ld4(ax + n, lane), lo = ld4(ax + n + route.E, lane);
+#pragma unroll
+      for (int u = 0; u < kPxLoads; ++u)
+        if (warp + (kVecThreads / 32) * u < route.px_splits)
+          px.x += pv[u].x, px.y += pv[u].y, px.z += pv[u].z, px.w += pv[u].w;
+    }
   }
   const float inv_a = rsqrtf(block_sum(sum_sq(ra)) / float(n) + eps);
 #pragma unroll
@@ -378,11 +396,19 @@ __global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float*
   }
   const float inv_h = store_ffn_inputs(r, n, off, f, eps, x1, xe, ROUTE ? nullptr : xr);
   if constexpr (ROUTE) {
-    if (threadIdx.x >= 32) return;
-    const int t = blockIdx.x;
+    __shared__ float4 px_warp[kVecThreads / 32][32];
+    px_warp[warp][lane] = px;
+    __syncthreads();
+    if (warp != 0) return;
+    px = px_warp[0][lane];
+#pragma unroll
+    for (int w = 1; w < kVecThreads / 32; ++w) {
+      const float4 o = px_warp[w][lane];
+      px.x += o.x, px.y += o.y, px.z += o.z, px.w += o.w;
+    }
     float l[4] = {inv_h * (px.x + inv_a * (hi.x + lo.x)), inv_h * (px.y + inv_a * (hi.y + lo.y)),
                   inv_h * (px.z + inv_a * (hi.z + lo.z)), inv_h * (px.w + inv_a * (hi.w + lo.w))};
-    if (route.logits && router_lane) st4(route.logits + size_t(t) * route.E, lane, make_float4(l[0], l[1], l[2], l[3]));
+    if (route.logits && expert_lane) st4(route.logits + size_t(t) * route.E, lane, make_float4(l[0], l[1], l[2], l[3]));
     const int e = warp_top_k(l, [lane](int j) { return 4 * lane + j; }, route.E, route.k, route.pes,
                              route.idx + size_t(t) * route.k, route.w + size_t(t) * route.k);
     if (lane < route.k) atomicOr(route.masks + size_t(e) * ((gridDim.x + 31) / 32) + (t >> 5), 1u << (t & 31));
@@ -1108,11 +1134,14 @@ void add_rms_norm_pre_ffn(float* h, const bf16* a, int rows, int n, const float*
 bool split_router_supported(int E, int n, int k) {
   return E >= 4 && E % 4 == 0 && E <= 128 && k >= 1 && k <= 32 && k <= E && row_vec_nv(n) > 0;
 }
-void add_rms_norm_pre_ffn_route(float* h, const bf16* a, int rows, int n, const float* w_post, const float* w_pre,
-                                const float* w_pre2, float eps, bf16* x1, bf16* xe, const float* px, const float* pa,
-                                int E, int k, const float* pes, float* logits, int32_t* idx, float* w,
-                                unsigned* masks, cudaStream_t s) {
+void add_rms_norm_pre_ffn_route(float* h, const float* a_ext, int lda, int rows, int n, const float* w_post,
+                                const float* w_pre, const float* w_pre2, float eps, bf16* x1, bf16* xe,
+                                const float* px_part, int px_splits, int E, int k, const float* pes, float* logits,
+                                int32_t* idx, float* w, unsigned* masks, cudaStream_t s) {
   if (rows == 0) return;
+  if (px_splits < 1 || px_splits > kPxLoads * (kVecThreads / 32) || lda < n + 2 * E || lda % 4 != 0)
+    throw_cuda_error("add_rms_norm_pre_ffn_route", "needs 1 <= px_splits <= 64 and lda >= n + 2E, lda % 4 == 0",
+                     px_splits, __FILE__, __LINE__);
   if (!split_router_supported(E, n, k))
     throw_cuda_error("add_rms_norm_pre_ffn_route",
                      "needs E % 4 == 0, E <= 128, k <= min(32, E) and n % 4 == 0, n <= 4096", E, __FILE__, __LINE__);
@@ -1121,9 +1150,10 @@ void add_rms_norm_pre_ffn_route(float* h, const bf16* a, int rows, int n, const 
                : nv == 2 ? add_rms_norm_pre_ffn_vec_k<2, true>
                : nv == 3 ? add_rms_norm_pre_ffn_vec_k<3, true>
                          : add_rms_norm_pre_ffn_vec_k<4, true>;
-  launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, h, a, n, w_post, w_pre, w_pre2,
-             static_cast<const float*>(nullptr), eps, x1, xe, static_cast<float*>(nullptr), static_cast<const float*>(nullptr), 0,
-             SplitRoute{px, pa, E, k, pes, logits, idx, w, masks});
+  launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, h, static_cast<const bf16*>(nullptr), n, w_post, w_pre, w_pre2,
+             static_cast<const float*>(nullptr), eps, x1, xe, static_cast<float*>(nullptr),
+             static_cast<const float*>(nullptr), 0,
+             SplitRoute{a_ext, lda, px_part, px_splits, E, k, pes, logits, idx, w, masks});
   CUDA_CHECK_LAUNCH();
 }
 void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, const float* w1, const float* w2,
