@@ -48,8 +48,6 @@ struct BenchArgs {
   bool no_softmax_reverse = false;  // cuda::set_softmax_rows_reverse(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   bool no_fused_sc_probs = false;  // CudaOptions::fused_sc_probs = false
-  bool no_split_router = false;    // CudaOptions::split_router = false
-  int split_router_fork = 0;       // CudaOptions::split_router_fork
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
@@ -170,8 +168,6 @@ int run_bench(const BenchArgs& args) {
   opt.fused_router = !args.cublas_router;
   opt.gemm_attention = !args.no_gemm_attention;
   opt.fused_sc_probs = !args.no_fused_sc_probs;
-  opt.split_router = !args.no_split_router;
-  opt.split_router_fork = args.split_router_fork;
   if (args.dense_mlp_sms >= 0) opt.dense_mlp_sms = args.dense_mlp_sms;
   opt.tma_experts = !args.cublas_experts;
   opt.tma_experts_down = args.tma_experts_down;
@@ -251,8 +247,6 @@ int run_bench(const BenchArgs& args) {
   out["bf16_expert_rows"] = !args.f32_expert_rows;
   out["dense_tma"] = args.dense_tma;
   out["fused_sc_probs"] = !args.no_fused_sc_probs;
-  out["split_router"] = !args.no_split_router;
-  out["split_router_fork"] = args.split_router_fork;
   out["dense_tma_cluster"] = args.dense_tma_cluster;
   out["narrow_assignment"] = !args.wide_assignment;
   out["tma_l2_promotion"] = args.tma_l2_promotion;
@@ -490,13 +484,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--no-fused-sc-probs", a->no_fused_sc_probs,
                                     "A/B: the SC probs by a second pass over the logits instead of the row-statistics "
                                     "pass (CudaOptions::fused_sc_probs = false)");
-                       sub.add_flag("--no-split-router", a->no_split_router,
-                                    "A/B: denoise passes route by router_top_k's two launches after the pre-FFN norm "
-                                    "instead of the split router (CudaOptions::split_router = false)");
-                       sub.add_option("--split-router-fork", a->split_router_fork,
-                                      "A/B: where the split router's px partials fork to the side stream: 0 at the "
-                                      "layer's start, 1 beside the attention (CudaOptions::split_router_fork)")
-                           ->check(CLI::IsMember({0, 1}));
                        sub.add_flag("--no-gemm-attention", a->no_gemm_attention,
                                     "A/B: the full layers' denoise attention on the fused kernel instead of two "
                                     "cuBLASLt GEMMs around a softmax (CudaOptions::gemm_attention = false)");

@@ -277,28 +277,6 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
         cuda::route_top_k(rl, T, E, K, pes, idx, wk, st);
         cuda::moe_assign_padded(idx, T, K, E, M, ovf, spos, meta, slot, st);
       });
-  {  // CudaOptions::split_router: o_proj on [wo; Wpa] with f32 output, then the pre-FFN norm kernel that routes (px's
-     // partials: the partials entry above, on folded weights of the same shape)
-    const int K_att = nh * sl.head_dim, lda = H + 2 * E;
-    bf16* att = ar.bf16s(size_t(T) * K_att, 1.0f);
-    bf16* wo_ext = ar.bf16s(size_t(lda) * K_att, 0.01f);
-    float* a_ext = ar.f32s(size_t(T) * lda, 1.0f);
-    float* a_ext_in = ar.f32s(size_t(T) * lda, 1.0f);  // a separate input: the GEMM entry writes a_ext
-    add("split router: o_proj on [wo; Wpa], f32 out", std::to_string(T) + "x" + std::to_string(K_att) + " . " +
-        std::to_string(lda) + "x" + std::to_string(K_att) + "^T", double(T) * K_att * 2 + double(lda) * K_att * 2 +
-        double(T) * lda * 4, 2.0 * T * K_att * lda, [=, &gemm](cudaStream_t st) {
-          gemm.linear(att, Dt::BF16, T, wo_ext, Dt::BF16, lda, K_att, a_ext, Dt::F32, st);
-        });
-    const int splits = cuda::router_partial_splits(H);
-    const size_t px_floats = cuda::router_partial_floats(T, H);
-    float* px_part = ar.f32s(px_floats, 0.01f);  // finite (top-k of NaN logits has no winner)
-    add("add_rms_norm_pre_ffn_route (split router)",
-        tH + ", " + std::to_string(splits) + " px partials, top " + std::to_string(K) + ", expert masks",
-        double(T) * H * 14 + double(T) * E * 8 + 4.0 * double(px_floats), 0, [=](cudaStream_t st) {
-          cuda::add_rms_norm_pre_ffn_route(h, a_ext_in, lda, T, H, w_h, w_h, w_h, eps, x1, xe, px_part, splits, E, K,
-                                           pes, rl, idx, wk, masks, st);
-        });
-  }
   add("route_top_k", std::to_string(T) + " x " + std::to_string(E) + " logits", double(T) * E * 4, 0,
       [=](cudaStream_t st) { cuda::route_top_k(rl, T, E, K, pes, idx, wk, st); });
   add("moe_assign_padded", std::to_string(T * K) + " pairs, M " + std::to_string(M), double(T) * K * 12, 0,

@@ -40,11 +40,6 @@ struct DevLayer {
   bf16 *wqkv, *wo, *dense_gu, *dense_down, *exp_gu, *exp_down;
   float *q_norm, *k_norm, *input_norm, *post_attn, *pre_ff, *post_ff1, *pre_ff2, *post_ff2, *post_ff;
   float *router_w, *router_scale, *pes, *inv_freq;
-  // The split router's folded weights (CudaOptions::split_router; cuda_kernels.h): Wf [E, H] f32 and Wpa [2E, nh D]
-  // bf16, made from the layer's own weights after the upload. Wpa is the 2E rows after wo's H (one o_proj GEMM on
-  // [wo; Wpa] gives a and att . M). Null where split_router_supported is false.
-  float* router_fold = nullptr;
-  bf16* router_wpa = nullptr;
   float enc_scalar = 1, dec_scalar = 1;
   bf16 *kc, *vc;
   int64_t cap = 0;
@@ -67,7 +62,6 @@ struct Scratch {
   int32_t *idx, *offsets, *sorted_pos, *moe_meta;
   int32_t* slot_token;  // [E M]: the token in each padded expert slot (moe_assign_padded), for the gathered gate_up
   float* router_partial;      // router_top_k's split partials (canvas-sized passes)
-  float* a_ext;  // the split router's o_proj output [canvas, H + 2E] f32: a, then att . M (hi, lo)
   float* dense_part;          // dense_tma_splitk's split-K partials (CudaOptions::dense_tma), else null
   unsigned* expert_masks;      // router_top_k's token bit masks of each expert
   unsigned* expert_tile_counters;  // gate_up's tile counters (CudaOptions::dynamic_expert_tiles): zeroed once, left
@@ -99,8 +93,6 @@ class CudaWeights {
         cuda::moe_padded_rows_per_expert(cfg_.canvas_length, cfg_.top_k_experts, E), H, Ie);
     pack_gate_up_ = opt.pack_expert_gate_up && tma_ok && cuda::expert_gate_up_packable(H, Ie);
     pack_down_ = opt.pack_expert_down && tma_ok && cuda::expert_down_packable(H, Ie);
-    // Made whatever the options: the weights are shared by backends that may differ in CudaOptions::split_router.
-    split_router_ = cuda::split_router_supported(E, H, cfg_.top_k_experts);
     // Packing goes through one layer's gate_up worth of scratch (down is half of it), freed after the upload.
     const size_t pack_scratch =
         pack_gate_up_ || pack_down_ ? size_t(E) * 2 * size_t(Ie) * size_t(H) * sizeof(bf16) : 0;
@@ -123,7 +115,6 @@ class CudaWeights {
       else
         synthesize(seed);
       if (pack_gate_up_ || pack_down_) pack_experts(pack_scratch);
-      if (split_router_) fold_router();
     } catch (...) {
       cudaStreamDestroy(stream_);
       cudaFree(arena_.base);
@@ -152,8 +143,7 @@ class CudaWeights {
       const size_t D = size_t(L.shape.head_dim), nkv = size_t(L.shape.n_kv_heads);
       L.nqkv = int((nh + (L.shape.has_v_proj ? 2 : 1) * nkv) * D);
       L.wqkv = ar.take<bf16>(size_t(L.nqkv) * H);
-      L.wo = ar.take<bf16>((H + (split_router_ ? 2 * E : 0)) * nh * D);
-      L.router_wpa = split_router_ && L.wo ? L.wo + H * nh * D : nullptr;
+      L.wo = ar.take<bf16>(H * nh * D);
       L.dense_gu = ar.take<bf16>(2 * Id * H);
       L.dense_down = ar.take<bf16>(H * Id);
       L.exp_gu = ar.take<bf16>(E * 2 * Ie * H);
@@ -166,19 +156,7 @@ class CudaWeights {
       L.router_w = ar.take<float>(E * H);
       L.pes = ar.take<float>(E);
       L.inv_freq = ar.take<float>(D / 2);
-      if (split_router_) L.router_fold = ar.take<float>(E * H);
     }
-  }
-
-  // The split router's weights of every layer, from the uploaded (or synthesized) router and o_proj weights.
-  void fold_router() {
-    const int H = cfg_.hidden_size, E = cfg_.num_experts;
-    for (DevLayer& L : layers_) {
-      cuda::router_fold_weights(L.router_w, L.router_scale, E, H, L.router_fold, stream_);
-      cuda::router_fold_o_proj(L.wo, H, cfg_.num_heads * L.shape.head_dim, L.post_attn, L.router_fold, E,
-                               L.router_wpa, stream_);
-    }
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
   // Every layer's exp_gu / exp_down (pack_gate_up_ / pack_down_) from the checkpoint layout into the packed one,
@@ -347,7 +325,6 @@ class CudaWeights {
   float *final_norm_ = nullptr, *sc_pre_norm_ = nullptr;
   bool pack_gate_up_ = false;     // CudaOptions::pack_expert_gate_up where the shapes and the GPU allow it
   bool pack_down_ = false;        // CudaOptions::pack_expert_down likewise
-  bool split_router_ = false;     // DevLayer::router_fold / router_wpa are made (cuda::split_router_supported)
   std::vector<DevLayer> layers_;  // weight pointers only (no KV)
 };
 
@@ -387,8 +364,6 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&overflow_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&assigned_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&overflowed_, cudaEventDisableTiming));
-    for (cudaEvent_t* ev : {&router_fork_, &router_join_})
-      CUDA_CHECK(cudaEventCreateWithFlags(ev, cudaEventDisableTiming));
     tm_ = std::max(opt.prefill_chunk, cfg_.canvas_length);
     if (opt.sliding_rewind < 0) fail("CudaOptions::sliding_rewind must be >= 0");
     if (opt.tma_weight_l2_promotion != 0 && opt.tma_weight_l2_promotion != 128 && opt.tma_weight_l2_promotion != 256)
@@ -406,9 +381,6 @@ class CudaBackend final : public Backend {
     attn_ld_ = cuda::gemm_attention_key_columns(
         int(std::min<int64_t>(opt.max_context, std::max(1, opt.gemm_attention_max_keys))));
 
-    if (opt.split_router_fork != 0 && opt.split_router_fork != 1)
-      fail("CudaOptions::split_router_fork must be 0 (layer start) or 1 (after q/k norm + rope), got {}",
-           opt.split_router_fork);
     if (opt.dense_tma_cluster != 1 && opt.dense_tma_cluster != 2)
       fail("CudaOptions::dense_tma_cluster must be 1 or 2, got {}", opt.dense_tma_cluster);
     plan_dense_tma();
@@ -479,7 +451,6 @@ class CudaBackend final : public Backend {
     cudaEventDestroy(grouped_);
     cudaEventDestroy(assigned_);
     cudaEventDestroy(overflowed_);
-    for (cudaEvent_t ev : {router_fork_, router_join_}) cudaEventDestroy(ev);
     cudaStreamDestroy(overflow_);
     cudaStreamDestroy(side_);
     cudaFree(arena_.base);
@@ -907,6 +878,57 @@ class CudaBackend final : public Backend {
     const int E = cfg_.num_experts, K = cfg_.top_k_experts;
     const float eps = cfg_.rms_norm_eps;
     const bool sliding = L.shape.kind == LayerKind::Sliding;
+
+    // Layer l > 0 finds its input norm in x already: the previous layer's combine kernel wrote it.
+    if (l == 0) cuda::rms_norm_f32_to_bf16(s_.h, T, H, L.input_norm, eps, s_.x, stream_);
+    // CudaOptions::dense_tma (plan_dense_tma): qkv and o_proj as split-K partials, summed by their readers
+    const bool dense = pass == Pass::Decoder && T <= cfg_.canvas_length;
+    const int qkv_splits = dense ? L.qkv_splits : 0, o_splits = dense ? L.o_splits : 0;
+    const int dcl = opt_.dense_tma_cluster;
+    if (qkv_splits > 0)
+      cuda::dense_tma_splitk(L.wqkv_map, cuda::dense_tma_token_map(s_.x, T, H, dcl), T, L.nqkv, H, qkv_splits, dcl,
+                             s_.dense_part, stream_);
+    else
+      gemm_->linear(s_.x, Dt::BF16, T, L.wqkv, Dt::BF16, L.nqkv, H, s_.qkv, Dt::BF16, stream_);
+    // A denoise pass of a full layer on the GEMM attention: the canvas keys / values go straight into the cache rows
+    // after the cached ones (the positions they will have once committed; a commit rewrites them), so that all keys
+    // are rows [0, kv_len + T) of one matrix.
+    // (attn_ld_ is a multiple of the key alignment, so n_keys rounded up fits as well.)
+    const int64_t n_keys = kv_len_ + T;
+    const bool gemm_attn = pass == Pass::Decoder && L.attn_ptrs && n_keys <= attn_ld_;
+    bf16* kn = gemm_attn ? L.kc + size_t(kv_len_) * nkv * D : s_.kn;
+    bf16* vn = gemm_attn ? L.vc + size_t(kv_len_) * nkv * D : s_.vn;
+    cuda::qkv_norm_rope(s_.qkv, T, nh, nkv, D, !L.shape.has_v_proj, L.q_norm, L.k_norm, L.inv_freq, kv_len_, eps,
+                        s_.q, kn, vn, stream_, qkv_splits > 0 ? s_.dense_part : nullptr, qkv_splits);
+    mark(kStAttnProj);
+    if (gemm_attn) {
+      cuda::gemm_attention(*gemm_, gemm_attention_args(L), T, int(n_keys), stream_);
+    } else {
+      cuda::AttentionArgs a{};
+      a.q = s_.q;
+      a.T = T, a.nh = nh, a.nkv = nkv, a.D = D;
+      a.k_cache = L.kc, a.v_cache = L.vc, a.cap = L.cap;
+      a.first_pos = sliding ? std::max<int64_t>(0, kv_len_ - (cfg_.sliding_window - 1)) : 0;
+      a.n_old = kv_len_ - a.first_pos;
+      a.k_new = s_.kn, a.v_new = s_.vn, a.T_new = T;
+      a.q_pos0 = kv_len_;
+      a.causal = pass == Pass::Encoder;
+      a.window = sliding ? cfg_.sliding_window : 0;
+      a.out = s_.att;
+      cuda::attention(a, stream_);
+    }
+    mark(kStAttention);
+    if (pass == Pass::Encoder) cuda::kv_write(s_.kn, s_.vn, T, nkv * D, kv_len_, L.kc, L.vc, L.cap, stream_);
+    if (o_splits > 0)
+      cuda::dense_tma_splitk(L.wo_map, cuda::dense_tma_token_map(s_.att, T, nh * D, dcl), T, H, nh * D, o_splits, dcl,
+                             s_.dense_part, stream_);
+    else
+      gemm_->linear(s_.att, Dt::BF16, T, L.wo, Dt::BF16, H, nh * D, s_.a, Dt::BF16, stream_);
+    // h += rms(attention out; post_attn), then the FFN inputs x1, xe, xr from the new h: one kernel.
+    cuda::add_rms_norm_pre_ffn(s_.h, s_.a, T, H, L.post_attn, L.pre_ff, L.pre_ff2, L.router_scale, eps, s_.x1, s_.xe,
+                               s_.xr, stream_, o_splits > 0 ? s_.dense_part : nullptr, o_splits);
+    mark(kStOProj);
+
     const int Ie = cfg_.moe_intermediate_size;
     // Canvas-sized passes (denoise, commit): experts padded to M rows as one strided-batched cuBLASLt GEMM each
     // (weights stream at ~4.1 instead of ~3.4 TB/s); the rare rows past M go through the grouped kernels.
@@ -931,85 +953,6 @@ class CudaBackend final : public Backend {
     // the combine: the dense MLP runs on a side stream (fork/join events, captured into the graph as parallel
     // branches). Stage-timed, traced and GEMM-tuning passes keep one stream so their times stay attributable.
     const bool overlap = opt_.overlap_dense_mlp && !timing_ && !trace_ && !cuda::gemm_tuning();
-    // CudaOptions::split_router (denoise passes on the masked path; cuda_kernels.h): px's partials from the layer's
-    // input on the side stream (at the layer's start or beside the attention: split_router_fork), att . M from the
-    // o_proj GEMM on [wo; Wpa], and the pre-FFN norm kernel routes.
-    const bool split_router =
-        pass == Pass::Decoder && masked && opt_.split_router && L.router_wpa && L.router_fold && L.o_splits == 0;
-    auto split_router_px = [&] {
-      cudaStream_t st = overlap ? side_ : stream_;
-      if (overlap) {
-        CUDA_CHECK(cudaEventRecord(router_fork_, stream_));
-        CUDA_CHECK(cudaStreamWaitEvent(side_, router_fork_));
-      }
-      // (also clears the expert masks: the previous layer's readers of them have ended, its combine waited for them)
-      cuda::router_top_k_stage(cuda::RouterStage::Partials, s_.h, T, H, L.router_fold, E, K, L.pes,
-                               s_.router_partial, nullptr, nullptr, nullptr, s_.expert_masks, st);
-      if (overlap) CUDA_CHECK(cudaEventRecord(router_join_, side_));
-    };
-
-    // Layer l > 0 finds its input norm in x already: the previous layer's combine kernel wrote it.
-    if (l == 0) cuda::rms_norm_f32_to_bf16(s_.h, T, H, L.input_norm, eps, s_.x, stream_);
-    if (split_router && opt_.split_router_fork == 0) split_router_px();
-    // CudaOptions::dense_tma (plan_dense_tma): qkv and o_proj as split-K partials, summed by their readers
-    const bool dense = pass == Pass::Decoder && T <= cfg_.canvas_length;
-    const int qkv_splits = dense ? L.qkv_splits : 0, o_splits = dense ? L.o_splits : 0;
-    const int dcl = opt_.dense_tma_cluster;
-    if (qkv_splits > 0)
-      cuda::dense_tma_splitk(L.wqkv_map, cuda::dense_tma_token_map(s_.x, T, H, dcl), T, L.nqkv, H, qkv_splits, dcl,
-                             s_.dense_part, stream_);
-    else
-      gemm_->linear(s_.x, Dt::BF16, T, L.wqkv, Dt::BF16, L.nqkv, H, s_.qkv, Dt::BF16, stream_);
-    // A denoise pass of a full layer on the GEMM attention: the canvas keys / values go straight into the cache rows
-    // after the cached ones (the positions they will have once committed; a commit rewrites them), so that all keys
-    // are rows [0, kv_len + T) of one matrix.
-    // (attn_ld_ is a multiple of the key alignment, so n_keys rounded up fits as well.)
-    const int64_t n_keys = kv_len_ + T;
-    const bool gemm_attn = pass == Pass::Decoder && L.attn_ptrs && n_keys <= attn_ld_;
-    bf16* kn = gemm_attn ? L.kc + size_t(kv_len_) * nkv * D : s_.kn;
-    bf16* vn = gemm_attn ? L.vc + size_t(kv_len_) * nkv * D : s_.vn;
-    cuda::qkv_norm_rope(s_.qkv, T, nh, nkv, D, !L.shape.has_v_proj, L.q_norm, L.k_norm, L.inv_freq, kv_len_, eps,
-                        s_.q, kn, vn, stream_, qkv_splits > 0 ? s_.dense_part : nullptr, qkv_splits);
-    mark(kStAttnProj);
-    if (split_router && opt_.split_router_fork == 1) split_router_px();
-    if (gemm_attn) {
-      cuda::gemm_attention(*gemm_, gemm_attention_args(L), T, int(n_keys), stream_);
-    } else {
-      cuda::AttentionArgs a{};
-      a.q = s_.q;
-      a.T = T, a.nh = nh, a.nkv = nkv, a.D = D;
-      a.k_cache = L.kc, a.v_cache = L.vc, a.cap = L.cap;
-      a.first_pos = sliding ? std::max<int64_t>(0, kv_len_ - (cfg_.sliding_window - 1)) : 0;
-      a.n_old = kv_len_ - a.first_pos;
-      a.k_new = s_.kn, a.v_new = s_.vn, a.T_new = T;
-      a.q_pos0 = kv_len_;
-      a.causal = pass == Pass::Encoder;
-      a.window = sliding ? cfg_.sliding_window : 0;
-      a.out = s_.att;
-      cuda::attention(a, stream_);
-    }
-    mark(kStAttention);
-    if (pass == Pass::Encoder) cuda::kv_write(s_.kn, s_.vn, T, nkv * D, kv_len_, L.kc, L.vc, L.cap, stream_);
-    if (o_splits > 0)
-      cuda::dense_tma_splitk(L.wo_map, cuda::dense_tma_token_map(s_.att, T, nh * D, dcl), T, H, nh * D, o_splits, dcl,
-                             s_.dense_part, stream_);
-    else if (split_router)
-      gemm_->linear(s_.att, Dt::BF16, T, L.wo, Dt::BF16, H + 2 * E, nh * D, s_.a_ext, Dt::F32, stream_);
-    else
-      gemm_->linear(s_.att, Dt::BF16, T, L.wo, Dt::BF16, H, nh * D, s_.a, Dt::BF16, stream_);
-    // h += rms(attention out; post_attn), then the FFN inputs x1, xe, xr from the new h: one kernel (with the split
-    // router it routes instead of writing xr).
-    if (split_router) {
-      if (overlap) CUDA_CHECK(cudaStreamWaitEvent(stream_, router_join_));
-      cuda::add_rms_norm_pre_ffn_route(s_.h, s_.a_ext, H + 2 * E, T, H, L.post_attn, L.pre_ff, L.pre_ff2, eps, s_.x1,
-                                       s_.xe, s_.router_partial, cuda::router_partial_splits(H), E, K, L.pes, s_.rl,
-                                       s_.idx, s_.wk, s_.expert_masks, stream_);
-    } else {
-      cuda::add_rms_norm_pre_ffn(s_.h, s_.a, T, H, L.post_attn, L.pre_ff, L.pre_ff2, L.router_scale, eps, s_.x1,
-                                 s_.xe, s_.xr, stream_, o_splits > 0 ? s_.dense_part : nullptr, o_splits);
-    }
-    mark(kStOProj);
-
     // The experts' output rows: bf16 on denoise passes (CudaOptions::bf16_expert_rows), else f32.
     const cuda::ExpertRows y = pass == Pass::Decoder && opt_.bf16_expert_rows
                                    ? cuda::ExpertRows(reinterpret_cast<bf16*>(s_.y))
@@ -1042,9 +985,7 @@ class CudaBackend final : public Backend {
       gated_mlp(s_.x1, T, L.dense_gu, L.dense_down, cfg_.intermediate_size, s_.m1);
     }
     mark(kStDenseMlp);
-    if (split_router) {
-      // routed by the pre-FFN norm kernel
-    } else if (fused_router) {
+    if (fused_router) {
       cuda::router_top_k(s_.xr, T, H, L.router_w, E, K, L.pes, s_.router_partial, s_.rl, s_.idx, s_.wk,
                          s_.expert_masks, stream_);
     } else {
@@ -1204,7 +1145,6 @@ class CudaBackend final : public Backend {
     s_.xr = ar.take<float>(Tm * H);
     s_.rl = ar.take<float>(Tm * E);
     s_.router_partial = ar.take<float>(cuda::router_partial_floats(int(Lc), int(H)));
-    s_.a_ext = ar.take<float>(Lc * (H + 2 * E));
     size_t dense_part = 0;
     for (const DevLayer& L : layers_)
       dense_part = std::max({dense_part, size_t(L.qkv_splits) * size_t(L.nqkv), size_t(L.o_splits) * H});
@@ -1257,8 +1197,6 @@ class CudaBackend final : public Backend {
   cudaEvent_t grouped_ = nullptr;  // main -> side: the expert rows are grouped (the overflow kernels may start)
   cudaStream_t overflow_ = nullptr;  // the overflow rows' branch (CudaOptions::overflow_stream)
   cudaEvent_t assigned_ = nullptr, overflowed_ = nullptr;  // side -> overflow_, overflow_ -> main
-  // CudaOptions::split_router: main -> side before px's partials, side -> main before the pre-FFN norm that routes
-  cudaEvent_t router_fork_ = nullptr, router_join_ = nullptr;
   int tm_ = 0;
   Arena arena_;
   std::unique_ptr<cuda::Gemm> gemm_, gemm_side_, gemm_tail_;

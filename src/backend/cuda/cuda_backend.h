@@ -128,15 +128,6 @@ struct CudaOptions {
   // in the router's last block, alone slower, with dynamic_expert_tiles and dense_mlp_sms 66 the 4K step 17.41-17.57
   // against 17.61-17.63 ms and a commit 16.5 against 17.0 ms.
   bool fused_router = true;
-  // Denoise passes on the masked path (fused_router with the gathered TMA gate_up) route without router_top_k's two
-  // launches between o_proj and the experts: px = h Wf^T (router_top_k's partials launch on folded weights) runs on
-  // the side stream, att . M comes out of the o_proj GEMM (2E more weight rows, f32 output), and the pre-FFN norm
-  // kernel combines them with its two row factors and routes (add_rms_norm_pre_ffn_route; the algebra in
-  // cuda_kernels.h). The logits differ from router_top_k's in the last bits. A/B: bench --no-split-router.
-  // split_router_fork: where px's partials fork to the side stream, 0 at the layer's start (beside the qkv GEMM), 1
-  // after q/k norm + rope (beside the attention). A/B: bench --split-router-fork.
-  bool split_router = true;
-  int split_router_fork = 0;
   // Canvas-sized padded passes with 32 rows per expert (the real model: 256 tokens, top 8 of 128) on Hopper (sm_90a
   // image): gate_up on our TMA + wgmma kernel (kernels_experts_tma.cu) instead of cuBLASLt, with the GELU-tanh * up in
   // its epilogue (no f32 gate/up, no moe_gelu_mul_padded). It is PDL-launched and streams its first weight tiles

@@ -48,36 +48,6 @@ void pre_ffn(const float* h, int rows, int n, const float* w_pre, const float* w
 void add_rms_norm_pre_ffn(float* h, const bf16* a, int rows, int n, const float* w_post, const float* w_pre,
                           const float* w_pre2, const float* router_scale, float eps, bf16* x1, bf16* xe, float* xr,
                           cudaStream_t s, const float* a_part = nullptr, int a_splits = 0);
-// The split router of denoise passes (CudaOptions::split_router). The router reads h' = h + rms(a; w_post) with
-// a = att Wo^T, so by linearity its logits are
-//   h' . Wf^T * inv_h = (h . Wf^T + inv_a (att . M)) * inv_h,   Wf = W diag(router_scale) / sqrt(H),
-//   M = Wo^T diag(w_post) Wf^T,
-// inv_a and inv_h being the two norms' row factors. px = h . Wf^T needs only the layer's input: router_top_k's
-// partials launch computes it on the side stream while the attention runs. att . M comes out of the o_proj GEMM
-// itself: M is stored as 2E more rows of its weight (two bf16 terms, hi = bf16(M), lo = bf16(M - hi): ~2^-17
-// relative) and the GEMM writes f32. What is left after o_proj (three terms a logit, then top-k) fits in the pre-FFN
-// norm kernel, so the router's launches leave the path between o_proj and the experts. The logits differ from
-// router_top_k's in the last bits (a's bf16 rounding enters only h, not the att . M term).
-// Wf [E, H] f32 from the router weights W [E, H] and router_scale [H].
-void router_fold_weights(const float* W, const float* router_scale, int E, int H, float* Wf, cudaStream_t s);
-// Wpa [2E, K] bf16: rows e < E are hi(M[:, e]), rows E + e lo(M[:, e]); Wo [H, K] (the o_proj weight), sums in double.
-void router_fold_o_proj(const bf16* Wo, int H, int K, const float* w_post, const float* Wf, int E, bf16* Wpa,
-                        cudaStream_t s);
-// Where add_rms_norm_pre_ffn_route applies: E % 4 == 0, E <= 128, k <= min(32, E), and the vector row path for n.
-bool split_router_supported(int E, int n, int k);
-// router_top_k's partials: ceil(H / 64) splits over H, each [T][kRouterPartialExperts] f32.
-constexpr int kRouterPartialExperts = 128;
-int router_partial_splits(int H);
-// add_rms_norm_pre_ffn (the same h, x1, xe bits for the same a; no xr) that also routes each row.
-// a_ext [rows, lda] f32, the o_proj GEMM's output on [Wo; Wpa]: columns [0, n) are a (rounded to bf16 as read, as a
-// bf16 GEMM output would be), [n, n + E) and [n + E, n + 2E) att . M's hi and lo terms. px_part: router_top_k_stage
-// (Partials) of h and Wf, px_splits of them (added in a fixed order). Writes logits [rows, E] (may be null), idx / w
-// [rows, k] by route_top_k's rules, and ORs each chosen expert's bit into masks [E][ceil(rows / 32)], which the
-// partials launch cleared.
-void add_rms_norm_pre_ffn_route(float* h, const float* a_ext, int lda, int rows, int n, const float* w_post,
-                                const float* w_pre, const float* w_pre2, float eps, bf16* x1, bf16* xe,
-                                const float* px_part, int px_splits, int E, int k, const float* pes, float* logits,
-                                int32_t* idx, float* w, unsigned* masks, cudaStream_t s);
 // h = (h + rms(rms(m1; w1) + rms(m2; w2); w)) * scalar
 void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, const float* w1, const float* w2,
                  const float* w, float eps, float scalar, cudaStream_t s);

@@ -7,7 +7,6 @@
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/cuda_util.cuh"
-#include "backend/cuda/warp_top_k.cuh"
 
 namespace dg::cuda {
 namespace {
@@ -67,6 +66,57 @@ __global__ void route_top_k_k(const float* logits, int E, int k, const float* pe
       w[size_t(blockIdx.x) * k + j] = sel_v[j] / total * pes[sel_i[j]];
     }
   }
+}
+
+// One warp per token, the token's expert probabilities in registers (PL per lane, expert of slot j: eid(j), E <= 32 *
+// PL): no shared memory and no block barriers, where route_top_k_k spends two barriers per selected expert. Same
+// rules: float exp, double sum, p = float(e / sum), ties to the lower index. l[j]: the logit of expert eid(j) (any
+// value where eid(j) >= E). eid must be ascending in j within a lane (the lane's first maximum is its lowest id).
+// Returns the expert of slot `lane` (lanes < k).
+template <int PL, class ExpertOf>
+__device__ int warp_top_k(float (&l)[PL], ExpertOf eid, int E, int k, const float* pes, int32_t* idx, float* w) {
+  const int lane = threadIdx.x & 31;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < PL; ++j) {
+    if (eid(j) >= E) l[j] = -INFINITY;
+    mx = fmaxf(mx, l[j]);
+  }
+  mx = warp_max(mx);
+  double sum = 0;
+  float p[PL];
+#pragma unroll
+  for (int j = 0; j < PL; ++j) {
+    p[j] = eid(j) < E ? expf(l[j] - mx) : 0.0f;
+    sum += p[j];
+  }
+  sum = warp_sum_d(sum);
+#pragma unroll
+  for (int j = 0; j < PL; ++j) p[j] = eid(j) < E ? float(double(p[j]) / sum) : -1.0f;
+  float total = 0, my_v = 0;
+  int my_i = 0;
+  for (int s = 0; s < k; ++s) {
+    float bv = -2.0f;
+    int bi = INT32_MAX;
+#pragma unroll
+    for (int j = 0; j < PL; ++j)
+      if (p[j] > bv) bv = p[j], bi = eid(j);  // ascending index within a lane: first wins ties
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    }
+    total += bv;
+    if (lane == s) my_v = bv, my_i = bi;
+#pragma unroll
+    for (int j = 0; j < PL; ++j)
+      if (eid(j) == bi) p[j] = -2.0f;  // taken
+  }
+  if (lane < k) {
+    idx[lane] = my_i;
+    w[lane] = my_v / total * pes[my_i];
+  }
+  return my_i;
 }
 
 constexpr int kPerLane = 8;
@@ -221,7 +271,7 @@ struct RouterArgs {
   float* w;
   unsigned* masks;  // [E][ceil(T / 32)]
 };
-constexpr int kRtTok = 32, kRtExp = kRouterPartialExperts, kRtKc = 64, kRtThreads = 256, kRtWarps = kRtThreads / 32;
+constexpr int kRtTok = 32, kRtExp = 128, kRtKc = 64, kRtThreads = 256, kRtWarps = kRtThreads / 32;
 constexpr int kRtPad = kRtKc + 4;  // shared row stride (floats): 16-byte aligned, quarter-warp reads conflict-free
 // router_route_k: TOK tokens a block (route_tokens_per_block), kRouteWarpsPerToken warps a token, each with up to
 // kRouteLoads split loads in flight (44 splits at H 2816: 11 a warp, one round). 8 tokens a block (1024 threads, the
@@ -677,27 +727,6 @@ void moe_assign_padded(const int32_t* idx, int T, int k, int E, int M, int32_t* 
   CUDA_CHECK_LAUNCH();
 }
 
-namespace {
-// The split router's weights (cuda_kernels.h), made once at load. router_fold_o_proj_k: thread (k, e) of a 32 x 8
-// block; a warp reads 32 adjacent columns of Wo's row j and one element of Wf's row e (a broadcast).
-__global__ void router_fold_weights_k(const float* W, const float* rs, int E, int H, float* Wf) {
-  const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < size_t(E) * H) Wf[i] = W[i] * (rs[i % size_t(H)] / sqrtf(float(H)));
-}
-__global__ void router_fold_o_proj_k(const bf16* Wo, int H, int K, const float* w_post, const float* Wf, int E,
-                                     bf16* Wpa) {
-  const int k = blockIdx.x * 32 + (threadIdx.x & 31), e = blockIdx.y * 8 + (threadIdx.x >> 5);
-  if (k >= K || e >= E) return;
-  double acc = 0;
-  for (int j = 0; j < H; ++j)
-    acc += double(__bfloat162float(Wo[size_t(j) * K + k])) * double(w_post[j]) * double(Wf[size_t(e) * H + j]);
-  const float m = float(acc);
-  const bf16 hi = __float2bfloat16_rn(m);
-  Wpa[size_t(e) * K + k] = hi;
-  Wpa[size_t(E + e) * K + k] = __float2bfloat16_rn(m - __bfloat162float(hi));
-}
-}  // namespace
-
 void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, int H, int M, int32_t* ovf_offsets,
                       int32_t* sorted_pos, bf16* xs, cudaStream_t s, int32_t* meta) {
   moe_assign_padded(idx, T, k, E, M, ovf_offsets, sorted_pos, meta, nullptr, s);
@@ -727,27 +756,11 @@ void set_route_tokens_per_block(int tokens) {
 }
 int route_tokens_per_block() { return g_route_tokens; }
 
-int router_partial_splits(int H) { return router_split(1, H).splits; }
-
 size_t router_partial_floats(int T, int H) { return size_t(router_split(T, H).splits) * size_t(T) * kRtExp; }
 
 size_t expert_mask_words(int T, int E) { return size_t(E) * size_t((T + 31) / 32); }
 
 bool router_fused_supported(int E, int H, int k) { return E >= 1 && E <= kRtExp && H % 4 == 0 && k <= 32 && k <= E; }
-
-void router_fold_weights(const float* W, const float* router_scale, int E, int H, float* Wf, cudaStream_t s) {
-  const size_t n = size_t(E) * size_t(H);
-  if (n == 0) return;
-  router_fold_weights_k<<<unsigned((n + 255) / 256), 256, 0, s>>>(W, router_scale, E, H, Wf);
-  CUDA_CHECK_LAUNCH();
-}
-void router_fold_o_proj(const bf16* Wo, int H, int K, const float* w_post, const float* Wf, int E, bf16* Wpa,
-                        cudaStream_t s) {
-  if (K == 0 || E == 0) return;
-  router_fold_o_proj_k<<<dim3(unsigned((K + 31) / 32), unsigned((E + 7) / 8)), 256, 0, s>>>(Wo, H, K, w_post, Wf, E,
-                                                                                            Wpa);
-  CUDA_CHECK_LAUNCH();
-}
 
 void router_top_k(const float* x, int T, int H, const float* W, int E, int k, const float* per_expert_scale,
                   float* partial, float* logits, int32_t* idx, float* w, unsigned* expert_masks, cudaStream_t s) {

@@ -10,7 +10,6 @@
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/cuda_util.cuh"
-#include "backend/cuda/warp_top_k.cuh"
 
 namespace dg::cuda {
 namespace {
@@ -281,11 +280,10 @@ __device__ __forceinline__ FfnWeights<NV> load_ffn_weights(const float* w_pre, c
   return f;
 }
 
-// From the residual row r (in registers): x1 = rms(r; w_pre), xe = rms(r; w_pre2), xr = rms_noscale(r) * rs / sqrt(n)
-// (xr null: not stored). Returns the row's norm factor.
+// From the residual row r (in registers): x1 = rms(r; w_pre), xe = rms(r; w_pre2), xr = rms_noscale(r) * rs / sqrt(n).
 template <int NV>
-__device__ __forceinline__ float store_ffn_inputs(const RowVec<NV>& r, int n, size_t off, const FfnWeights<NV>& f,
-                                                  float eps, bf16* x1, bf16* xe, float* xr) {
+__device__ __forceinline__ void store_ffn_inputs(const RowVec<NV>& r, int n, size_t off, const FfnWeights<NV>& f,
+                                                 float eps, bf16* x1, bf16* xe, float* xr) {
   const int n4 = n / 4;
   const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
   const float inv_sqrt_n = 1.0f / sqrtf(float(n));
@@ -296,14 +294,11 @@ __device__ __forceinline__ float store_ffn_inputs(const RowVec<NV>& r, int n, si
       const float4 v = mul4(r.v[j], inv, make_float4(1, 1, 1, 1));
       st4(x1 + off, c, mul4(v, 1.0f, f.pre[j]));
       st4(xe + off, c, mul4(v, 1.0f, f.pre2[j]));
-      if (xr) {
-        const float4 q = f.rs[j];
-        st4(xr + off, c, make_float4(v.x * q.x * inv_sqrt_n, v.y * q.y * inv_sqrt_n, v.z * q.z * inv_sqrt_n,
-                                     v.w * q.w * inv_sqrt_n));
-      }
+      const float4 q = f.rs[j];
+      st4(xr + off, c, make_float4(v.x * q.x * inv_sqrt_n, v.y * q.y * inv_sqrt_n, v.z * q.z * inv_sqrt_n,
+                                   v.w * q.w * inv_sqrt_n));
     }
   }
-  return inv;
 }
 
 template <int NV>
@@ -322,31 +317,14 @@ __global__ void __launch_bounds__(kVecThreads) pre_ffn_vec_k(const float* h, int
 // griddepcontrol.wait; after it, the attention output and the residual rows in one round trip. (It waited for three
 // dependent round trips before: 7.9-8.9 us a layer at T = 256 in the H200 profile, session 11.)
 // a_part: a as split-K partials (load_splits_bf16), a_splits of them [a_splits][rows][n].
-// ROUTE (add_rms_norm_pre_ffn_route): a from the f32 a_ext, no xr; the warps add px's split partials, warp 0 routes
-// the row (cuda_kernels.h).
-constexpr int kPxLoads = 8;  // px partials a warp keeps in flight: up to 8 warps x 8 = 64 splits (n <= 4096)
-struct SplitRoute {
-  const float* a_ext;  // [rows, lda]: a, then att . M's hi and lo columns
-  int lda;
-  const float* px_part;  // [px_splits][rows][kRouterPartialExperts]
-  int px_splits;
-  int E, k;
-  const float* pes;
-  float* logits;  // [rows, E] or null
-  int32_t* idx;
-  float* w;
-  unsigned* masks;  // [E][ceil(rows / 32)], zero before the launch
-};
-template <int NV, bool ROUTE>
+template <int NV>
 __global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float* h, const bf16* a, int n,
                                                                           const float* w_post, const float* w_pre,
                                                                           const float* w_pre2, const float* rs,
                                                                           float eps, bf16* x1, bf16* xe, float* xr,
-                                                                          const float* a_part, int a_splits,
-                                                                          SplitRoute route) {
+                                                                          const float* a_part, int a_splits) {
   const int n4 = n / 4;
-  // (ROUTE has no router_scale, which is folded into the split router's weights: any valid pointer will do.)
-  const FfnWeights<NV> f = load_ffn_weights<NV>(w_pre, w_pre2, ROUTE ? w_pre : rs, n4);
+  const FfnWeights<NV> f = load_ffn_weights<NV>(w_pre, w_pre2, rs, n4);
   float4 wp[NV];
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
@@ -356,32 +334,9 @@ __global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float*
   pdl_wait();  // launch.cuh: only the constant weights above were read before it
   pdl_trigger();
   const size_t off = size_t(blockIdx.x) * n;
-  const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const float* ax = ROUTE ? route.a_ext + size_t(t) * route.lda : nullptr;
-  const RowVec<NV> ra = ROUTE    ? load_splits_bf16<NV>(ax, n4, 1, 0)
-                        : a_part ? load_splits_bf16<NV>(a_part + off, n4, a_splits, size_t(gridDim.x) * n)
-                                 : load_bf16<NV>(a + off, n4);
+  const RowVec<NV> ra = a_part ? load_splits_bf16<NV>(a_part + off, n4, a_splits, size_t(gridDim.x) * n)
+                               : load_bf16<NV>(a + off, n4);
   RowVec<NV> r = load_f32<NV>(h + off, n4);
-  // The router's row terms, requested with the rows (lane l: experts 4 l .. 4 l + 3); warp w adds px's splits w,
-  // w + 8, ... in that order.
-  const bool expert_lane = ROUTE && 4 * lane < route.E;
-  float4 hi = make_float4(0, 0, 0, 0), lo = hi, px = hi;
-  if constexpr (ROUTE) {
-    if (expert_lane) {
-      float4 pv[kPxLoads];
-#pragma unroll
-      for (int u = 0; u < kPxLoads; ++u) {
-        const int sp = warp + (kVecThreads / 32) * u;
-        if (sp < route.px_splits)
-          pv[u] = ld4(route.px_part + (size_t(sp) * gridDim.x + t) * kRouterPartialExperts, lane);
-      }
-      if (warp == 0) hi = ld4(ax + n, lane), lo = ld4(ax + n + route.E, lane);
-#pragma unroll
-      for (int u = 0; u < kPxLoads; ++u)
-        if (warp + (kVecThreads / 32) * u < route.px_splits)
-          px.x += pv[u].x, px.y += pv[u].y, px.z += pv[u].z, px.w += pv[u].w;
-    }
-  }
   const float inv_a = rsqrtf(block_sum(sum_sq(ra)) / float(n) + eps);
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
@@ -394,25 +349,7 @@ __global__ void __launch_bounds__(kVecThreads) add_rms_norm_pre_ffn_vec_k(float*
       r.v[j] = hv;
     }
   }
-  const float inv_h = store_ffn_inputs(r, n, off, f, eps, x1, xe, ROUTE ? nullptr : xr);
-  if constexpr (ROUTE) {
-    __shared__ float4 px_warp[kVecThreads / 32][32];
-    px_warp[warp][lane] = px;
-    __syncthreads();
-    if (warp != 0) return;
-    px = px_warp[0][lane];
-#pragma unroll
-    for (int w = 1; w < kVecThreads / 32; ++w) {
-      const float4 o = px_warp[w][lane];
-      px.x += o.x, px.y += o.y, px.z += o.z, px.w += o.w;
-    }
-    float l[4] = {inv_h * (px.x + inv_a * (hi.x + lo.x)), inv_h * (px.y + inv_a * (hi.y + lo.y)),
-                  inv_h * (px.z + inv_a * (hi.z + lo.z)), inv_h * (px.w + inv_a * (hi.w + lo.w))};
-    if (route.logits && expert_lane) st4(route.logits + size_t(t) * route.E, lane, make_float4(l[0], l[1], l[2], l[3]));
-    const int e = warp_top_k(l, [lane](int j) { return 4 * lane + j; }, route.E, route.k, route.pes,
-                             route.idx + size_t(t) * route.k, route.w + size_t(t) * route.k);
-    if (lane < route.k) atomicOr(route.masks + size_t(e) * ((gridDim.x + 31) / 32) + (t >> 5), 1u << (t & 31));
-  }
+  store_ffn_inputs(r, n, off, f, eps, x1, xe, xr);
 }
 
 // NV for a row of n floats, 0 when the vector path does not apply.
@@ -1123,37 +1060,12 @@ void add_rms_norm_pre_ffn(float* h, const bf16* a, int rows, int n, const float*
     pre_ffn(h, rows, n, w_pre, w_pre2, router_scale, eps, x1, xe, xr, s);
     return;
   }
-  auto* kern = nv == 1   ? add_rms_norm_pre_ffn_vec_k<1, false>
-               : nv == 2 ? add_rms_norm_pre_ffn_vec_k<2, false>
-               : nv == 3 ? add_rms_norm_pre_ffn_vec_k<3, false>
-                         : add_rms_norm_pre_ffn_vec_k<4, false>;
+  auto* kern = nv == 1   ? add_rms_norm_pre_ffn_vec_k<1>
+               : nv == 2 ? add_rms_norm_pre_ffn_vec_k<2>
+               : nv == 3 ? add_rms_norm_pre_ffn_vec_k<3>
+                         : add_rms_norm_pre_ffn_vec_k<4>;
   launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, h, a, n, w_post, w_pre, w_pre2, router_scale, eps, x1, xe, xr,
-             a_part, a_splits, SplitRoute{});
-  CUDA_CHECK_LAUNCH();
-}
-bool split_router_supported(int E, int n, int k) {
-  return E >= 4 && E % 4 == 0 && E <= 128 && k >= 1 && k <= 32 && k <= E && row_vec_nv(n) > 0;
-}
-void add_rms_norm_pre_ffn_route(float* h, const float* a_ext, int lda, int rows, int n, const float* w_post,
-                                const float* w_pre, const float* w_pre2, float eps, bf16* x1, bf16* xe,
-                                const float* px_part, int px_splits, int E, int k, const float* pes, float* logits,
-                                int32_t* idx, float* w, unsigned* masks, cudaStream_t s) {
-  if (rows == 0) return;
-  if (px_splits < 1 || px_splits > kPxLoads * (kVecThreads / 32) || lda < n + 2 * E || lda % 4 != 0)
-    throw_cuda_error("add_rms_norm_pre_ffn_route", "needs 1 <= px_splits <= 64 and lda >= n + 2E, lda % 4 == 0",
-                     px_splits, __FILE__, __LINE__);
-  if (!split_router_supported(E, n, k))
-    throw_cuda_error("add_rms_norm_pre_ffn_route",
-                     "needs E % 4 == 0, E <= 128, k <= min(32, E) and n % 4 == 0, n <= 4096", E, __FILE__, __LINE__);
-  const int nv = row_vec_nv(n);
-  auto* kern = nv == 1   ? add_rms_norm_pre_ffn_vec_k<1, true>
-               : nv == 2 ? add_rms_norm_pre_ffn_vec_k<2, true>
-               : nv == 3 ? add_rms_norm_pre_ffn_vec_k<3, true>
-                         : add_rms_norm_pre_ffn_vec_k<4, true>;
-  launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, h, static_cast<const bf16*>(nullptr), n, w_post, w_pre, w_pre2,
-             static_cast<const float*>(nullptr), eps, x1, xe, static_cast<float*>(nullptr),
-             static_cast<const float*>(nullptr), 0,
-             SplitRoute{a_ext, lda, px_part, px_splits, E, k, pes, logits, idx, w, masks});
+             a_part, a_splits);
   CUDA_CHECK_LAUNCH();
 }
 void ffn_combine(float* h, const bf16* m1, const float* m2, int rows, int n, const float* w1, const float* w2,
