@@ -1003,7 +1003,8 @@ void copy_words(const void* src, size_t words, void* dst, cudaStream_t s) {
   launch_pdl(copy_words_k, dim3(unsigned(std::min<size_t>((words + kRowThreads - 1) / kRowThreads, 1024))),
              dim3(kRowThreads), 0, s, static_cast<const uint32_t*>(src), words, static_cast<uint32_t*>(dst));
 }
-// rms_norm_vec_k where the width allows (nv 1-4), else the scalar kernel, which has no row factor.
+// rms_norm_vec_k where the width allows (nv 1-4), else the scalar kernel, which has no row factor: a caller with
+// one (scaled_rms_norm_f32_to_bf16) applies it first at those widths.
 template <class Out>
 void launch_rms_norm(const float* x, int rows, int n, const float* row_scale, float scale, const float* w, float eps,
                      Out* y, cudaStream_t s) {
@@ -1083,14 +1084,12 @@ void gelu_mul(const bf16* gu, int rows, int I, bf16* act, cudaStream_t s) {
 void scaled_rms_norm_f32_to_bf16(float* x, int rows, int n, const float* row_scale, float scale, const float* w,
                                  float eps, bf16* y, cudaStream_t s) {
   if (rows <= 0) return;
-  const int nv = row_vec_nv(n);
-  if (nv == 0) {  // other widths: the two kernels, x scaled in place first
+  if (row_vec_nv(n) == 0) {  // no vector kernel at this width: x scaled in place first, then the plain norm
     if (row_scale)
       scale_rows_f32(x, rows, n, row_scale, scale, x, s);
     else
       scale_f32(x, size_t(rows) * n, scale, x, s);
-    rms_norm_f32_to_bf16(x, rows, n, w, eps, y, s);
-    return;
+    row_scale = nullptr, scale = 1.0f;
   }
   launch_rms_norm(x, rows, n, row_scale, scale, w, eps, y, s);
 }
