@@ -459,9 +459,119 @@ __global__ void qkv_norm_rope_k(const bf16* qkv, int nh, int nkv, int D, bool v_
 // The same for D = 32 EPL (EPL a multiple of 8): lane l holds elements [l EPL, l EPL + EPL) of its row as 16-byte
 // loads and stores, and the rotation partner i + D/2 of element i sits in lane l ^ 16 (one shuffle per element).
 // The scalar kernel above (2-byte loads, the row read twice) took ~9 us a layer at T = 256 (H200 profile).
+// A warp takes R rows of its token (rows w, w + warps, ...) with all their loads in flight before any arithmetic: at
+// one row a warp the block of 1024 (sliding) or 640 (full) threads left room for one block an SM (40-56 registers),
+// so the 256 tokens ran in two waves.
+// Everything that does not depend on the qkv rows is set up before griddepcontrol.wait: the token's angles and both
+// norm weights go to shared memory transposed to [j][lane] (lane l reads element l EPL + j at bank l: with the natural
+// layout the 16 lanes' reads of a step j hit 4-16 ways on one bank), and each lane's rotation flags to a bit mask.
 // part (splits >= 1): the qkv rows as split-K partials [splits][T][width] (load_splits_bf16's values), qkv unread.
-template <int EPL>
+template <int EPL, int R>
 __global__ void qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_from_k, const float* qw,
+                                    const float* kw, const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k,
+                                    bf16* v, const float* part, int splits) {
+  constexpr int D = 32 * EPL, half = D / 2;
+  const int t = blockIdx.x, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int n_rows = nh + 2 * nkv;
+  const int width = (nh + (v_from_k ? 1 : 2) * nkv) * D;
+  const float pos = float(pos0 + t);
+  __shared__ float cos_t[half], sin_t[half];  // [j][16]: frequency i = l16 EPL + j at j * 16 + l16
+  __shared__ float qw_t[D], kw_t[D];           // [j][32]: element e = l EPL + j at j * 32 + l
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    float sn = 0.0f, cs = 1.0f;
+    if (inv_freq[i] != 0.0f) sincosf(pos * inv_freq[i], &sn, &cs);
+    const int slot = (i % EPL) * 16 + i / EPL;
+    cos_t[slot] = cs, sin_t[slot] = sn;
+  }
+  for (int e = threadIdx.x; e < D; e += blockDim.x) {
+    const int slot = (e % EPL) * 32 + e / EPL;
+    qw_t[slot] = qw ? qw[e] : 1.0f, kw_t[slot] = kw ? kw[e] : 1.0f;  // a row without weights never reads them
+  }
+  const bool first = lane < 16;
+  const int e0 = lane * EPL, l16 = lane & 15, i0 = l16 * EPL;  // element, and its rotation frequency index
+  uint32_t rotates = 0;  // bit j: frequency i0 + j rotates (an inv_freq of 0 is no rotation)
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) rotates |= inv_freq[i0 + j] != 0.0f ? 1u << j : 0u;
+  __syncthreads();
+  pdl_wait();  // launch.cuh: only the constant weights and frequencies above were read before it
+  pdl_trigger();
+  const bf16* src_row = qkv + size_t(t) * width;
+  for (int r0 = threadIdx.x >> 5; r0 < n_rows; r0 += warps * R) {
+    float x[R][EPL];
+#pragma unroll
+    for (int u = 0; u < R; ++u) {
+      const int r = r0 + u * warps;
+      if (r >= n_rows) continue;  // warp-uniform
+      const int col = qkv_row(r, t, nh, nkv, D, v_from_k, qw, kw, q, k, v).col;
+      if (part) {
+        const float* p = part + size_t(t) * width + col + e0;
+        const size_t stride = size_t(gridDim.x) * width;
+#pragma unroll
+        for (int c = 0; c < EPL / 4; ++c) {
+          float4 a = reinterpret_cast<const float4*>(p)[c];
+          for (int sp = 1; sp < splits; ++sp) {
+            const float4 o = reinterpret_cast<const float4*>(p + size_t(sp) * stride)[c];
+            a.x += o.x, a.y += o.y, a.z += o.z, a.w += o.w;
+          }
+          x[u][4 * c] = round_bf16(a.x), x[u][4 * c + 1] = round_bf16(a.y);
+          x[u][4 * c + 2] = round_bf16(a.z), x[u][4 * c + 3] = round_bf16(a.w);
+        }
+      } else {
+        const bf16* src = src_row + col;
+#pragma unroll
+        for (int c = 0; c < EPL / 8; ++c) {
+          const uint4 w4 = reinterpret_cast<const uint4*>(src + e0)[c];
+          const uint32_t wd[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wd[j]));
+            x[u][8 * c + 2 * j] = f.x, x[u][8 * c + 2 * j + 1] = f.y;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < R; ++u) {
+      const int r = r0 + u * warps;
+      if (r >= n_rows) continue;  // warp-uniform
+      const auto [col, dst, w, rotate] = qkv_row(r, t, nh, nkv, D, v_from_k, qw, kw, q, k, v);
+      float ss = 0;
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) ss += x[u][j] * x[u][j];
+      const float inv = rsqrtf(warp_sum(ss) / float(D) + eps);
+      const float* wt = w == qw ? qw_t : kw_t;
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) {
+        x[u][j] *= inv;
+        if (w) x[u][j] *= wt[j * 32 + lane];
+      }
+      if (rotate) {
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) {
+          const float other = __shfl_xor_sync(0xffffffffu, x[u][j], 16);
+          if (rotates >> j & 1u) {
+            const float cs = cos_t[j * 16 + l16], sn = sin_t[j * 16 + l16];
+            x[u][j] = first ? x[u][j] * cs - other * sn : x[u][j] * cs + other * sn;
+          }
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < EPL / 8; ++c) {
+        uint32_t wd[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const __nv_bfloat162 b = __floats2bfloat162_rn(x[u][8 * c + 2 * j], x[u][8 * c + 2 * j + 1]);
+          wd[j] = *reinterpret_cast<const uint32_t*>(&b);
+        }
+        reinterpret_cast<uint4*>(dst + e0)[c] = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+      }
+    }
+  }
+}
+
+// A/B (bench --qkv-rope-natural): the kernel below before its tables moved to shared memory, transposed.
+template <int EPL>
+__global__ void qkv_norm_rope_vec_natural_k(const bf16* qkv, int nh, int nkv, bool v_from_k, const float* qw,
                                     const float* kw, const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k,
                                     bf16* v, const float* part, int splits) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
@@ -1113,8 +1223,10 @@ void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s) {
 }
 namespace {
 int g_qkv_rope_max_warps = 32;  // set_qkv_rope_max_warps
+bool g_qkv_rope_natural = false;  // set_qkv_rope_natural
 }  // namespace
 void set_qkv_rope_max_warps(int n) { g_qkv_rope_max_warps = std::clamp(n > 0 ? n : 32, 1, 32); }
+void set_qkv_rope_natural(bool on) { g_qkv_rope_natural = on; }
 void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k, const float* qw, const float* kw,
                    const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k, bf16* v, cudaStream_t s,
                    const float* qkv_part, int splits) {
@@ -1122,9 +1234,14 @@ void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k
   const int rows = nh + 2 * nkv;
   if (qkv_part && splits < 1) throw_cuda_error("qkv_norm_rope", "qkv_part needs splits >= 1", splits, __FILE__, __LINE__);
   if (D == 256 || D == 512) {
-    // One warp a row, so a block's rows take one pass (each row is processed the same way at any warp count).
-    const int vwarps = std::min(rows, g_qkv_rope_max_warps);
-    auto* kern = D == 256 ? qkv_norm_rope_vec_k<8> : qkv_norm_rope_vec_k<16>;
+    // R rows a warp (their loads in flight together), so a block's rows take one pass (each row is processed the same way
+    // at any warp count).
+    constexpr int kRowsPerWarp = 2;  // qkv_norm_rope_vec_k's R
+    const int vwarps = std::min(g_qkv_rope_natural ? rows : (rows + kRowsPerWarp - 1) / kRowsPerWarp,
+                                g_qkv_rope_max_warps);
+    auto* kern = g_qkv_rope_natural
+                     ? (D == 256 ? qkv_norm_rope_vec_natural_k<8> : qkv_norm_rope_vec_natural_k<16>)
+                     : (D == 256 ? qkv_norm_rope_vec_k<8, kRowsPerWarp> : qkv_norm_rope_vec_k<16, kRowsPerWarp>);
     launch_pdl(kern, dim3(T), dim3(32 * vwarps), 0, s, qkv, nh, nkv, v_from_k, qw, kw, inv_freq, pos0, eps, q, k, v,
                qkv_part, splits);
     return;
