@@ -400,15 +400,11 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
       0, [=](cudaStream_t st) {
         cuda::moe_combine_ffn(y, idx, wk, spos, T, K, h, m1, H, w_h, w_h, w_h, eps, 1.0f, st, w_h, x1);
       });
-  for (bool plain : {false, true})
-    add(std::string("moe_combine_ffn, bf16 expert rows (engine, denoise)") + (plain ? ", plain" : ""),
-        tH + ", " + std::to_string(K) + " expert rows a token", double(T) * H * (2.0 * K + 4 + 4 + 2 + 2), 0,
-        [=](cudaStream_t st) {
-          cuda::set_combine_lean(!plain);
-          cuda::moe_combine_ffn(reinterpret_cast<const bf16*>(y), idx, wk, spos, T, K, h, m1, H, w_h, w_h, w_h, eps,
-                                1.0f, st, w_h, x1);
-          cuda::set_combine_lean(true);
-        });
+  add("moe_combine_ffn, bf16 expert rows (engine, denoise)", tH + ", " + std::to_string(K) + " expert rows a token",
+      double(T) * H * (2.0 * K + 4 + 4 + 2 + 2), 0, [=](cudaStream_t st) {
+        cuda::moe_combine_ffn(reinterpret_cast<const bf16*>(y), idx, wk, spos, T, K, h, m1, H, w_h, w_h, w_h, eps, 1.0f,
+                              st, w_h, x1);
+      });
   {
     // a prefill chunk: 4096 tokens through the grouped kernels
     const int Tp = 4096;

@@ -445,8 +445,5 @@ void moe_combine(ExpertRowsIn y, const int32_t* idx, const float* w, const int32
 void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
                      float scalar, cudaStream_t s, const float* w_next = nullptr, bf16* x_next = nullptr);
-// A/B (bench --combine-plain): moe_combine_ffn's vector kernel without its L1 prefetch hints and joint first
-// reduction (session 20); the same bits either way.
-void set_combine_lean(bool on);
 
 }  // namespace dg::cuda

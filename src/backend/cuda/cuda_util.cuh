@@ -38,29 +38,6 @@ __device__ T block_sum(T v) {
   return total;
 }
 
-// block_sum of two values with one set of barriers: each component is summed in block_sum's order (the same bits).
-__device__ inline float2 block_sum2(float a, float b) {
-  __shared__ float2 part[32];
-  __shared__ float2 total;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o), b += __shfl_xor_sync(0xffffffffu, b, o);
-  __syncthreads();  // part[] may still be read by a previous call
-  if (lane == 0) part[warp] = make_float2(a, b);
-  __syncthreads();
-  if (warp == 0) {
-    float x = lane < nw ? part[lane].x : 0.0f, y = lane < nw ? part[lane].y : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o), y += __shfl_xor_sync(0xffffffffu, y, o);
-    if (lane == 0) total = make_float2(x, y);
-  }
-  __syncthreads();
-  return total;
-}
-
-// A hint to bring the line holding p into this SM's L1 (no registers held, nothing waited for).
-__device__ __forceinline__ void prefetch_l1(const void* p) {
-  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
-}
-
 __device__ __forceinline__ float gelu_tanh(float x) {
   const float k = 0.7978845608028654f;
   return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));

@@ -580,37 +580,17 @@ __global__ void moe_combine_ffn_k(const void* y, bool y_bf16, const int32_t* idx
 // norm weights in registers from before griddepcontrol.wait (13.1 us: 76 registers, one block an SM) or staging them
 // and h / m1 in shared memory by cp.async (14-15 us in the step, 20.2 alone) were slower (session 11).
 // YB: the experts' rows in bf16 (ExpertRows), four of them an 8-byte load.
-// LEAN (session 20): the later phases' loads hinted into L1 early (the four norm weights before griddepcontrol.wait,
-// the residual row after it), so that they are not a dependent L2 round trip each after a block reduction, and the
-// two norms of the first phase reduced together (one set of barriers); no registers added (40: two blocks an SM).
-template <int NV, int KMAX, int kCombineThreads, bool YB, bool LEAN>
+template <int NV, int KMAX, int kCombineThreads, bool YB>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     const void* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
     int H, const float* w1, const float* w2, const float* wn, float eps, float scalar, const float* w_next,
     bf16* x_next) {
-  const int t = blockIdx.x, H4 = H / 4;
-  if constexpr (LEAN) {
-#pragma unroll
-    for (int q = 0; q < NV; ++q) {
-      const int c = threadIdx.x + q * kCombineThreads;
-      if (c < H4) {
-        prefetch_l1(w1 + 4 * c), prefetch_l1(w2 + 4 * c), prefetch_l1(wn + 4 * c);
-        if (w_next) prefetch_l1(w_next + 4 * c);
-      }
-    }
-  }
-  pdl_wait();  // launch.cuh: only the constant weights' prefetch hints above came before it
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   static_assert(KMAX <= 32, "one lane a source");
   __shared__ int src_row[KMAX];
   __shared__ float src_w[KMAX];
-  if constexpr (LEAN) {
-#pragma unroll
-    for (int q = 0; q < NV; ++q) {
-      const int c = threadIdx.x + q * kCombineThreads;
-      if (c < H4) prefetch_l1(h + size_t(t) * H + 4 * c);
-    }
-  }
+  const int t = blockIdx.x, H4 = H / 4;
   if (threadIdx.x < 32) {  // a lane a source, ranked by expert id: combine_sources' order in one round trip
     const int lane = int(threadIdx.x);
     const bool mine = lane < k;
@@ -669,14 +649,8 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     s1 += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
     s2 += acc.x * acc.x + acc.y * acc.y + acc.z * acc.z + acc.w * acc.w;
   }
-  float inv1, inv2;
-  if constexpr (LEAN) {
-    const float2 s12 = block_sum2(s1, s2);
-    inv1 = rsqrtf(s12.x / float(H) + eps), inv2 = rsqrtf(s12.y / float(H) + eps);
-  } else {
-    inv1 = rsqrtf(block_sum(s1) / float(H) + eps);
-    inv2 = rsqrtf(block_sum(s2) / float(H) + eps);
-  }
+  const float inv1 = rsqrtf(block_sum(s1) / float(H) + eps);
+  const float inv2 = rsqrtf(block_sum(s2) / float(H) + eps);
   float s3 = 0;
 #pragma unroll
   for (int q = 0; q < NV; ++q) {
@@ -839,11 +813,6 @@ void moe_combine(ExpertRowsIn y, const int32_t* idx, const float* w, const int32
   CUDA_CHECK_LAUNCH();
 }
 
-namespace {
-bool g_combine_lean = true;  // set_combine_lean
-}  // namespace
-void set_combine_lean(bool on) { g_combine_lean = on; }
-
 void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
                      float scalar, cudaStream_t s, const float* w_next, bf16* x_next) {
@@ -852,17 +821,9 @@ void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const i
   if (x_next && !w_next) throw_cuda_error("moe_combine_ffn", "x_next needs w_next", 0, __FILE__, __LINE__);
   if (k <= 8 && H % 4 == 0 && H / 4 <= 1024) {
     const bool narrow = H / 4 <= 768;
-    using Kern = void (*)(const void*, const int32_t*, const float*, const int32_t*, int, float*, const bf16*, int,
-                          const float*, const float*, const float*, float, float, const float*, bf16*);
-    constexpr Kern kLean[2][2] = {{moe_combine_ffn_vec_k<1, 8, 1024, false, true>,
-                                   moe_combine_ffn_vec_k<1, 8, 768, false, true>},
-                                  {moe_combine_ffn_vec_k<1, 8, 1024, true, true>,
-                                   moe_combine_ffn_vec_k<1, 8, 768, true, true>}};
-    constexpr Kern kPlain[2][2] = {{moe_combine_ffn_vec_k<1, 8, 1024, false, false>,
-                                    moe_combine_ffn_vec_k<1, 8, 768, false, false>},
-                                   {moe_combine_ffn_vec_k<1, 8, 1024, true, false>,
-                                    moe_combine_ffn_vec_k<1, 8, 768, true, false>}};
-    const Kern kern = (g_combine_lean ? kLean : kPlain)[y.is_bf16 ? 1 : 0][narrow ? 1 : 0];
+    auto* kern = y.is_bf16 ? (narrow ? moe_combine_ffn_vec_k<1, 8, 768, true> : moe_combine_ffn_vec_k<1, 8, 1024, true>)
+                 : narrow  ? moe_combine_ffn_vec_k<1, 8, 768, false>
+                           : moe_combine_ffn_vec_k<1, 8, 1024, false>;
     launch_pdl(kern, dim3(T), dim3(narrow ? 768 : 1024), 0, s, y.p, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
                eps, scalar, w_next, x_next);
     CUDA_CHECK_LAUNCH();
