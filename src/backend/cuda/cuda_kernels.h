@@ -198,9 +198,6 @@ size_t gemm_attention_pointer_count(int nh);
 void set_gemm_attention_pointers(const GemmAttentionArgs& a, cudaStream_t s);
 // Attention of T queries over keys [0, n) on gemm's stream s (three launches: S GEMM, softmax, PV GEMM).
 void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaStream_t s);
-// A/B (bench --attn-gemm-chunks N): gemm_attention's S / softmax / PV chain run per chunk of nh / N heads (1: all
-// heads at once; N must divide nh, else 1).
-void set_gemm_attention_chunks(int n);
 // P[r, c] = bf16(exp(S[r, c] - max) / sum) for c < n (max, sum over c < n in f32), 0 for n <= c < n_cols; row r of
 // group g at S + (g group_rows + r) ld (P likewise), r < rows. n_cols % 4 == 0, ld % 8 == 0.
 void softmax_rows_to_bf16(const float* S, int ld, int rows, int groups, int group_rows, int n, int n_cols, bf16* P,

@@ -192,11 +192,6 @@ int gemm_attention_key_columns(int n) {
   return (n + kGemmAttentionKeyAlign - 1) / kGemmAttentionKeyAlign * kGemmAttentionKeyAlign;
 }
 
-namespace {
-int g_gemm_attention_chunks = 1;  // set_gemm_attention_chunks
-}  // namespace
-void set_gemm_attention_chunks(int n) { g_gemm_attention_chunks = n > 0 ? n : 1; }
-
 void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaStream_t s) {
   const int n_cols = gemm_attention_key_columns(n);
   if (T < 1 || T > a.head_rows || n < 1 || n_cols > a.ld || a.nh % a.nkv || a.ld % 8)
@@ -204,20 +199,13 @@ void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaSt
                                        "nh % nkv == 0, ld % 8 == 0)", 0, __FILE__, __LINE__);
   void** p = a.ptrs;
   const int nh = a.nh, kv_ld = a.nkv * a.D, q_ld = nh * a.D;
-  // set_gemm_attention_chunks: the chain per chunk of heads, so that a chunk's S (and then its P) can still be in L2
-  // when the softmax (the PV GEMM) reads it.
-  const int chunks = nh % g_gemm_attention_chunks == 0 ? g_gemm_attention_chunks : 1, hc = nh / chunks;
-  for (int c = 0; c < chunks; ++c) {
-    const int h0 = c * hc;
-    const size_t rows0 = size_t(h0) * a.head_rows * a.ld;
-    // column-major S_h^T [n_cols, T] = (K_h as [D, n_cols])^T . (Q_h as [D, T])
-    gemm.batched_pointers(true, n_cols, T, a.D, p + h0, Dt::BF16, kv_ld, p + nh + h0, Dt::BF16, q_ld,
-                          p + 2 * nh + h0, Dt::F32, a.ld, hc, s);
-    softmax_rows_to_bf16(a.S + rows0, a.ld, T, hc, a.head_rows, n, n_cols, a.P + rows0, s);
-    // column-major O_h^T [D, T] = (V_h as [D, n_cols]) . (P_h as [n_cols, T])
-    gemm.batched_pointers(false, a.D, T, n_cols, p + 3 * nh + h0, Dt::BF16, kv_ld, p + 4 * nh + h0, Dt::BF16, a.ld,
-                          p + 5 * nh + h0, Dt::BF16, q_ld, hc, s);
-  }
+  // column-major S_h^T [n_cols, T] = (K_h as [D, n_cols])^T . (Q_h as [D, T])
+  gemm.batched_pointers(true, n_cols, T, a.D, p, Dt::BF16, kv_ld, p + nh, Dt::BF16, q_ld, p + 2 * nh, Dt::F32, a.ld,
+                        nh, s);
+  softmax_rows_to_bf16(a.S, a.ld, T, nh, a.head_rows, n, n_cols, a.P, s);
+  // column-major O_h^T [D, T] = (V_h as [D, n_cols]) . (P_h as [n_cols, T])
+  gemm.batched_pointers(false, a.D, T, n_cols, p + 3 * nh, Dt::BF16, kv_ld, p + 4 * nh, Dt::BF16, a.ld, p + 5 * nh,
+                        Dt::BF16, q_ld, nh, s);
 }
 
 }  // namespace dg::cuda
