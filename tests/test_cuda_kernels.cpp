@@ -354,17 +354,6 @@ void check_qkv(int T, int nh, int nkv, int D, bool v_from_k, RopeParams rp, int6
       EXPECT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * sizeof(bf16))) << "from split-K partials, D " << D;
     }
   }
-  // The kernel reading its angles and weights in their natural layout after its PDL wait: the same bits.
-  if (D == 256 || D == 512) {
-    Dev<bf16> q2(q.n), k2(k.n), v2(v.n);
-    set_qkv_rope_natural(true);
-    qkv_norm_rope(dqkv.p, T, nh, nkv, D, v_from_k, dqw.p, dkw.p, dinv.p, pos0, eps, q2.p, k2.p, v2.p, nullptr);
-    set_qkv_rope_natural(false);
-    for (auto [a, b] : {std::pair{&q, &q2}, std::pair{&k, &k2}, std::pair{&v, &v2}}) {
-      const auto x = a->get(), y = b->get();
-      EXPECT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * sizeof(bf16))) << "natural layout, D " << D;
-    }
-  }
   std::vector<float> eq(q.n), ek(k.n), ev(v.n);
   std::vector<int64_t> pos(static_cast<size_t>(T));
   std::iota(pos.begin(), pos.end(), pos0);

@@ -148,13 +148,10 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
     add("GEMM qkv" + tag, std::to_string(T) + "x" + std::to_string(H) + " . " + std::to_string(nqkv) + "x" +
         std::to_string(H) + "^T", 2.0 * (double(nqkv) * H + double(T) * (H + nqkv)), 2.0 * T * H * nqkv,
         [=, &gemm](cudaStream_t st) { gemm.linear(x1, Dt::BF16, T, wqkv, Dt::BF16, nqkv, H, qkv, Dt::BF16, st); });
-    for (bool natural : {false, true})
-      add("qkv_norm_rope" + tag + (natural ? " natural layout" : ""), std::to_string(T) + " x " + std::to_string(nqkv),
-          4.0 * T * nqkv, 0, [=](cudaStream_t st) {
-            cuda::set_qkv_rope_natural(natural);
-            cuda::qkv_norm_rope(qkv, T, nh, nkv, D, !ls->has_v_proj, qw, kw, dfreq, kv, eps, q, kn, vn, st);
-            cuda::set_qkv_rope_natural(false);
-          });
+    add("qkv_norm_rope" + tag, std::to_string(T) + " x " + std::to_string(nqkv), 4.0 * T * nqkv, 0,
+        [=](cudaStream_t st) {
+          cuda::qkv_norm_rope(qkv, T, nh, nkv, D, !ls->has_v_proj, qw, kw, dfreq, kv, eps, q, kn, vn, st);
+        });
     // the cache: the window's last W - 1 positions (sliding) or all kv (full), in a ring of cap slots
     const int64_t cap = sliding ? W1 : kv, n_old = sliding ? W1 : kv, first = sliding ? kv - W1 : 0;
     bf16* kc = ar.bf16s(size_t(cap) * nkv * D, 1.0f);

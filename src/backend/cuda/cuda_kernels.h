@@ -69,9 +69,6 @@ void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k
 // A/B (bench --qkv-rope-warps): at most this many warps a block of qkv_norm_rope's vector kernel (one warp a row of
 // q / k / v heads; default 32: a token's 32 sliding or 20 full-layer rows in one pass; before session 13: 16).
 void set_qkv_rope_max_warps(int n);
-// A/B (bench --qkv-rope-natural): the vector kernel reading its angles and norm weights in their natural layout after
-// griddepcontrol.wait (before session 20), instead of from transposed shared-memory tables set up before it.
-void set_qkv_rope_natural(bool on);
 
 // Copies the new K/V rows of positions [pos0, pos0 + T) into a cache region of `cap` slots (slot = pos % cap);
 // only the last min(T, cap) rows are written (earlier ones would be overwritten anyway).

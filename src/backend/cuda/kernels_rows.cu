@@ -461,7 +461,8 @@ __global__ void qkv_norm_rope_k(const bf16* qkv, int nh, int nkv, int D, bool v_
 // The scalar kernel above (2-byte loads, the row read twice) took ~9 us a layer at T = 256 (H200 profile).
 // A warp takes R rows of its token (rows w, w + warps, ...) with all their loads in flight before any arithmetic: at
 // one row a warp the block of 1024 (sliding) or 640 (full) threads left room for one block an SM (40-56 registers),
-// so the 256 tokens ran in two waves.
+// so the 256 tokens ran in two waves (H200, alone: sliding 9.5 -> 6.3 us, full 14.0 -> 7.6 us with what follows; 4K step
+// -0.1 to -0.15 ms in four same-call A/Bs, session 20).
 // Everything that does not depend on the qkv rows is set up before griddepcontrol.wait: the token's angles and both
 // norm weights go to shared memory transposed to [j][lane] (lane l reads element l EPL + j at bank l: with the natural
 // layout the 16 lanes' reads of a step j hit 4-16 ways on one bank), and each lane's rotation flags to a bit mask.
@@ -565,84 +566,6 @@ __global__ void qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_fro
         }
         reinterpret_cast<uint4*>(dst + e0)[c] = make_uint4(wd[0], wd[1], wd[2], wd[3]);
       }
-    }
-  }
-}
-
-// A/B (bench --qkv-rope-natural): the kernel below before its tables moved to shared memory, transposed.
-template <int EPL>
-__global__ void qkv_norm_rope_vec_natural_k(const bf16* qkv, int nh, int nkv, bool v_from_k, const float* qw,
-                                    const float* kw, const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k,
-                                    bf16* v, const float* part, int splits) {
-  pdl_wait();  // launch.cuh: nothing before this touches global memory
-  pdl_trigger();
-  constexpr int D = 32 * EPL, half = D / 2;
-  const int t = blockIdx.x, lane = threadIdx.x & 31;
-  const int n_rows = nh + 2 * nkv;
-  const int width = (nh + (v_from_k ? 1 : 2) * nkv) * D;
-  const bf16* src_row = qkv + size_t(t) * width;
-  const float pos = float(pos0 + t);
-  __shared__ float trig[2 * half];  // [half] cos, then [half] sin
-  fill_rope_trig(trig, half, pos, inv_freq);
-  const bool first = lane < 16;
-  const int e0 = lane * EPL, i0 = (first ? lane : lane - 16) * EPL;  // element, and its rotation frequency index
-  for (int r = threadIdx.x >> 5; r < n_rows; r += blockDim.x >> 5) {
-    const auto [col, dst, w, rotate] = qkv_row(r, t, nh, nkv, D, v_from_k, qw, kw, q, k, v);
-    float x[EPL];
-    if (part) {
-      const float* p = part + size_t(t) * width + col + e0;
-      const size_t stride = size_t(gridDim.x) * width;
-#pragma unroll
-      for (int c = 0; c < EPL / 4; ++c) {
-        float4 a = reinterpret_cast<const float4*>(p)[c];
-        for (int sp = 1; sp < splits; ++sp) {
-          const float4 o = reinterpret_cast<const float4*>(p + size_t(sp) * stride)[c];
-          a.x += o.x, a.y += o.y, a.z += o.z, a.w += o.w;
-        }
-        x[4 * c] = round_bf16(a.x), x[4 * c + 1] = round_bf16(a.y);
-        x[4 * c + 2] = round_bf16(a.z), x[4 * c + 3] = round_bf16(a.w);
-      }
-    } else {
-      const bf16* src = src_row + col;
-#pragma unroll
-      for (int c = 0; c < EPL / 8; ++c) {
-        const uint4 u = reinterpret_cast<const uint4*>(src + e0)[c];
-        const uint32_t wd[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wd[j]));
-          x[8 * c + 2 * j] = f.x, x[8 * c + 2 * j + 1] = f.y;
-        }
-      }
-    }
-    float ss = 0;
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) ss += x[j] * x[j];
-    const float inv = rsqrtf(warp_sum(ss) / float(D) + eps);
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-      x[j] *= inv;
-      if (w) x[j] *= w[e0 + j];
-    }
-    if (rotate) {
-#pragma unroll
-      for (int j = 0; j < EPL; ++j) {
-        const float other = __shfl_xor_sync(0xffffffffu, x[j], 16);
-        if (inv_freq[i0 + j] != 0.0f) {
-          const float cs = trig[i0 + j], sn = trig[half + i0 + j];
-          x[j] = first ? x[j] * cs - other * sn : x[j] * cs + other * sn;
-        }
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < EPL / 8; ++c) {
-      uint32_t wd[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const __nv_bfloat162 b = __floats2bfloat162_rn(x[8 * c + 2 * j], x[8 * c + 2 * j + 1]);
-        wd[j] = *reinterpret_cast<const uint32_t*>(&b);
-      }
-      reinterpret_cast<uint4*>(dst + e0)[c] = make_uint4(wd[0], wd[1], wd[2], wd[3]);
     }
   }
 }
@@ -1223,10 +1146,8 @@ void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s) {
 }
 namespace {
 int g_qkv_rope_max_warps = 32;  // set_qkv_rope_max_warps
-bool g_qkv_rope_natural = false;  // set_qkv_rope_natural
 }  // namespace
 void set_qkv_rope_max_warps(int n) { g_qkv_rope_max_warps = std::clamp(n > 0 ? n : 32, 1, 32); }
-void set_qkv_rope_natural(bool on) { g_qkv_rope_natural = on; }
 void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k, const float* qw, const float* kw,
                    const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k, bf16* v, cudaStream_t s,
                    const float* qkv_part, int splits) {
@@ -1237,11 +1158,8 @@ void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k
     // R rows a warp (their loads in flight together), so a block's rows take one pass (each row is processed the same way
     // at any warp count).
     constexpr int kRowsPerWarp = 2;  // qkv_norm_rope_vec_k's R
-    const int vwarps = std::min(g_qkv_rope_natural ? rows : (rows + kRowsPerWarp - 1) / kRowsPerWarp,
-                                g_qkv_rope_max_warps);
-    auto* kern = g_qkv_rope_natural
-                     ? (D == 256 ? qkv_norm_rope_vec_natural_k<8> : qkv_norm_rope_vec_natural_k<16>)
-                     : (D == 256 ? qkv_norm_rope_vec_k<8, kRowsPerWarp> : qkv_norm_rope_vec_k<16, kRowsPerWarp>);
+    const int vwarps = std::min((rows + kRowsPerWarp - 1) / kRowsPerWarp, g_qkv_rope_max_warps);
+    auto* kern = D == 256 ? qkv_norm_rope_vec_k<8, kRowsPerWarp> : qkv_norm_rope_vec_k<16, kRowsPerWarp>;
     launch_pdl(kern, dim3(T), dim3(32 * vwarps), 0, s, qkv, nh, nkv, v_from_k, qw, kw, inv_freq, pos0, eps, q, k, v,
                qkv_part, splits);
     return;
