@@ -41,7 +41,6 @@ struct BenchArgs {
   bool cublas_experts = false, tma_experts_down = false, no_tma_gather = false, static_expert_tiles = false;
   int attn_splits = 0;
   int qkv_rope_warps = 0;  // 0: the default (cuda::set_qkv_rope_max_warps)
-  int overflow_blocks = 0;  // 0: the default (cuda::set_overflow_list_blocks)
   std::string experts_timeline;  // CSV path: the fused expert kernel's tiles in one extra step (diagnostics)
   bool no_attn_tma = false;  // cuda::set_attention_tma(false)
   bool no_attn_key_runs = false;  // cuda::set_attention_key_runs(false)
@@ -146,7 +145,6 @@ int run_bench(const BenchArgs& args) {
   cuda::set_pdl(!args.no_pdl);
   cuda::set_attention_splits(args.attn_splits);
   cuda::set_qkv_rope_max_warps(args.qkv_rope_warps);
-  cuda::set_overflow_list_blocks(args.overflow_blocks);
   cuda::set_attention_tma(!args.no_attn_tma);
   cuda::set_attention_key_runs(!args.no_attn_key_runs);
   cuda::set_attention_q_tma(!args.no_attn_q_tma);
@@ -510,10 +508,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "A/B: at most this many warps a block of the q/k norm + rope kernel (0: the "
                                       "default, 32; cuda::set_qkv_rope_max_warps)")
                            ->check(CLI::Range(0, 32));
-                       sub.add_option("--overflow-blocks", a->overflow_blocks,
-                                      "A/B: block columns of the overflow experts' launches (0: the default, 8; "
-                                      "cuda::set_overflow_list_blocks)")
-                           ->check(CLI::Range(0, 128));
                        sub.add_flag("--tma-experts-down", a->tma_experts_down,
                                     "A/B: the down GEMM on the TMA + wgmma kernel too (CudaOptions::tma_experts_down)");
                        sub.add_option("--expert-sms", a->expert_sms,

@@ -430,9 +430,6 @@ void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const vo
 // expert_list (may be null): only the experts meta[1 .. meta[0]] of moe_group_padded (its overflow rows), run by
 // a small fixed grid whatever their number, instead of one block column per expert.
 // packed: Wgu / Wd in the packed layouts of pack_expert_gate_up / pack_expert_down (bitwise the same results).
-// A/B (bench --overflow-blocks N): block columns of the overflow experts' launches (moe_gate_up / moe_down with an
-// expert list; default 8).
-void set_overflow_list_blocks(int n);
 void moe_gate_up(const bf16* xs, const int32_t* offsets, int E, int P, const bf16* Wgu, int H, int I, bf16* act,
                  cudaStream_t s, const int32_t* expert_list = nullptr, bool packed = false);
 void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16* Wd, int H, int I, ExpertRows y,

@@ -411,13 +411,8 @@ constexpr int kStreamMinAvgRows = 64;
 bool expert_gate_up_packable(int H, int I) { return H > 0 && I > 0 && H % 64 == 0 && I % 64 == 0; }
 bool expert_down_packable(int H, int I) { return H > 0 && I > 0 && H % 128 == 0 && I % 64 == 0; }
 
-// Block columns for an expert list: a few overflow experts of a few rows each (the padded path's M is twice the mean);
-// each column walks the listed experts with that stride. Their blocks need kMoeSmem, so they start only on SMs the
-// expert launch has left, where the dense MLP's down GEMM waits too.
-namespace {
-int g_list_blocks_y = 8;  // set_overflow_list_blocks
-}  // namespace
-void set_overflow_list_blocks(int n) { g_list_blocks_y = n > 0 ? n : 8; }
+// Block columns for an expert list: a few overflow experts of a few rows each (the padded path's M is twice the mean).
+constexpr int kListBlocksY = 8;
 
 void moe_gate_up(const bf16* xs, const int32_t* offsets, int E, int P, const bf16* Wgu, int H, int I, bf16* act,
                  cudaStream_t s, const int32_t* expert_list, bool packed) {
@@ -431,7 +426,7 @@ void moe_gate_up(const bf16* xs, const int32_t* offsets, int E, int P, const bf1
     return;
   }
   // One block column per expert, or a few walking the expert list.
-  const dim3 grid((I + GN / 2 - 1) / (GN / 2), expert_list ? std::min(E, g_list_blocks_y) : E);
+  const dim3 grid((I + GN / 2 - 1) / (GN / 2), expert_list ? std::min(E, kListBlocksY) : E);
   raise_smem_limit<true>();
   launch_pdl(moe_tiled_k<true>, dim3(grid), dim3(kGemmThreads), kMoeSmem, s, xs, offsets, Wgu, I, H, act, nullptr,
              false, expert_list, packed);
@@ -449,7 +444,7 @@ void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16*
                                                                                            nullptr, y, s, packed);
     return;
   }
-  const dim3 grid((H + GN - 1) / GN, expert_list ? std::min(E, g_list_blocks_y) : E);
+  const dim3 grid((H + GN - 1) / GN, expert_list ? std::min(E, kListBlocksY) : E);
   raise_smem_limit<false>();
   launch_pdl(moe_tiled_k<false>, dim3(grid), dim3(kGemmThreads), kMoeSmem, s, act, offsets, Wd, H, I, nullptr, y.p,
              y.is_bf16, expert_list, packed);
