@@ -392,15 +392,16 @@ __global__ void add_bf16_to_f32_k(float* h, const bf16* a, size_t n) {
     h[i] += __bfloat162float(a[i]);
 }
 
-// trig = cos, then sin, of the token's angles pos * inv_freq[i] (i < half; an inv_freq of 0 is no rotation), once per
-// block instead of once per head row; ends with the block barrier.
-__device__ __forceinline__ void fill_rope_trig(float* trig, int half, float pos, const float* inv_freq) {
+// cos_t[slot(i)], sin_t[slot(i)] = cos, sin of the token's angle pos * inv_freq[i] (i < half; an inv_freq of 0 is no
+// rotation), once per block instead of once per head row. No barrier: the caller syncs before reading them.
+template <class Slot>
+__device__ __forceinline__ void fill_rope_trig(float* cos_t, float* sin_t, int half, float pos, const float* inv_freq,
+                                               Slot slot) {
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
     float sn = 0.0f, cs = 1.0f;
     if (inv_freq[i] != 0.0f) sincosf(pos * inv_freq[i], &sn, &cs);
-    trig[i] = cs, trig[half + i] = sn;
+    cos_t[slot(i)] = cs, sin_t[slot(i)] = sn;
   }
-  __syncthreads();
 }
 
 // Head row r of token t in qkv_norm_rope: q heads, then k heads, then v heads (v from the k projection when
@@ -432,7 +433,8 @@ __global__ void qkv_norm_rope_k(const bf16* qkv, int nh, int nkv, int D, bool v_
   const float pos = float(pos0 + t);
   const int half = D / 2;
   extern __shared__ float trig[];  // [half] cos, then [half] sin
-  fill_rope_trig(trig, half, pos, inv_freq);
+  fill_rope_trig(trig, trig + half, half, pos, inv_freq, [](int i) { return i; });
+  __syncthreads();
   for (int r = threadIdx.x >> 5; r < n_rows; r += blockDim.x >> 5) {
     const auto [col, dst, w, rotate] = qkv_row(r, t, nh, nkv, D, v_from_k, qw, kw, q, k, v);
     const bf16* src = src_row + col;
@@ -478,12 +480,7 @@ __global__ void qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_fro
   const float pos = float(pos0 + t);
   __shared__ float cos_t[half], sin_t[half];  // [j][16]: frequency i = l16 EPL + j at j * 16 + l16
   __shared__ float qw_t[D], kw_t[D];           // [j][32]: element e = l EPL + j at j * 32 + l
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    float sn = 0.0f, cs = 1.0f;
-    if (inv_freq[i] != 0.0f) sincosf(pos * inv_freq[i], &sn, &cs);
-    const int slot = (i % EPL) * 16 + i / EPL;
-    cos_t[slot] = cs, sin_t[slot] = sn;
-  }
+  fill_rope_trig(cos_t, sin_t, half, pos, inv_freq, [](int i) { return (i % EPL) * 16 + i / EPL; });
   for (int e = threadIdx.x; e < D; e += blockDim.x) {
     const int slot = (e % EPL) * 32 + e / EPL;
     qw_t[slot] = qw ? qw[e] : 1.0f, kw_t[slot] = kw ? kw[e] : 1.0f;  // a row without weights never reads them
