@@ -3,6 +3,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <system_error>
+#include <vector>
 #include <nlohmann/json.hpp>
 
 #include "model/config.h"
@@ -17,10 +19,26 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
+// Every directory temp_dir makes is removed when the test program ends, so runs leave nothing in /tmp.
+std::vector<fs::path>& made_temp_dirs() {
+  static std::vector<fs::path> dirs;
+  return dirs;
+}
+
+class RemoveTempDirs : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ec;
+    for (const auto& d : made_temp_dirs()) fs::remove_all(d, ec);
+  }
+};
+[[maybe_unused]] const auto* const kRemoveTempDirs = ::testing::AddGlobalTestEnvironment(new RemoveTempDirs);
+
 fs::path temp_dir(const std::string& name) {
   fs::path d = fs::temp_directory_path() / ("diffgemma_test_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(d);
   fs::create_directories(d);
+  made_temp_dirs().push_back(d);
   return d;
 }
 
