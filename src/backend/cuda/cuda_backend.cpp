@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -783,7 +784,11 @@ class CudaBackend final : public Backend {
       capture_graph(g.exec, [&] { enqueue_denoise(req, L, /*capturing=*/true); });
       g.key = key;
     }
+    const auto t0 = std::chrono::steady_clock::now();
     CUDA_CHECK(cudaGraphLaunch(g.exec, stream_));
+    if (opt_.host_times)
+      opt_.host_times->graph_launch_us.push_back(
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
   }
 
   void embed(std::span<const int32_t> ids) {

@@ -31,6 +31,14 @@ struct CudaScStats {
   void reset() { *this = CudaScStats{}; }
 };
 
+// Host-side cost of the whole-step graph path (`diffgemma bench` reports it): how long each cudaGraphLaunch call
+// took on the calling thread. The device starts a launched graph only as the call returns, so this time is part of
+// every step's wall.
+struct CudaHostTimes {
+  std::vector<double> graph_launch_us;
+  void reset() { graph_launch_us.clear(); }
+};
+
 struct CudaOptions {
   int device = 0;
   // Positions the full-attention layers can hold (prompt + committed canvases); prefill beyond it fails clearly.
@@ -201,6 +209,7 @@ struct CudaOptions {
   int sc_sparse_max_survivors = 2048;
   int64_t sc_sparse_max_total = 131072;
   double sc_sparse_max_tail = 1e-3;
+  CudaHostTimes* host_times = nullptr;  // not owned; see CudaHostTimes
   CudaScStats* sc_stats = nullptr;  // not owned; counts the path of every PreviousStep step while sc_sparse
 };
 
