@@ -273,6 +273,17 @@ TEST(CudaKernels, RmsNormVariants) {
       for (size_t i = 0; i < hs.size(); ++i) hs[i] = x[i] + ab[i];
       cpu::rms_norm(hs.data(), rows, n, wn ? w.data() : nullptr, eps, want_h.data());
       EXPECT_LE(rel_err(dx.get(), want_h), 1e-5) << "n " << n;
+      // with the next norm's output as well (the SC prologue into the first layer's input norm): the same bits as
+      // rms_norm_f32_to_bf16 of the h just written
+      auto w2 = rnd(n, 0.5f, 1.5f);
+      Dev<float> dw2(n);
+      Dev<bf16> y2(x.size());
+      dw2.put(w2);
+      dx.put(x);
+      add_then_rms_norm(dx.p, da.p, rows, n, wn, eps, nullptr, dw2.p, y2.p);
+      EXPECT_EQ(std::memcmp(dx.get().data(), dh2.get().data(), x.size() * 4), 0) << "n " << n;
+      rms_norm_f32_to_bf16(dh2.p, rows, n, dw2.p, eps, y16.p, nullptr);
+      EXPECT_EQ(std::memcmp(y2.get().data(), y16.get().data(), x.size() * 2), 0) << "n " << n;
     }
   }
 }

@@ -694,11 +694,20 @@ class CudaBackend final : public Backend {
     // Captured: the embedding reads the pinned ids where the host wrote them, and the statistics go back by a kernel
     // below: with memcpy nodes the graph's first kernel started ~80 us after its launch (H200 trace, session 12).
     const float sqrt_h = std::sqrt(float(H));
-    if (capturing) {
-      embed_ids(mapped_ids_, L);
-    } else {
-      embed_staged(L);
+    // A PreviousStep step's SC GEMM (~0.5 ms) does not read the canvas embedding: the embedding runs beside it on the
+    // side stream (idle until the first layer's dense MLP), joined before the SC signal is added.
+    const bool embed_beside = req.self_condition == SelfCondition::PreviousStep;
+    const cudaStream_t embed_stream = embed_beside ? side_ : stream_;
+    if (embed_beside) {
+      CUDA_CHECK(cudaEventRecord(fork_, stream_));
+      CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
     }
+    if (capturing) {
+      embed_ids(mapped_ids_, L, embed_stream);
+    } else {
+      embed_staged(L, embed_stream);
+    }
+    if (embed_beside) CUDA_CHECK(cudaEventRecord(join_, side_));
     bool have_signal = true;
     switch (req.self_condition) {
       case SelfCondition::None: have_signal = false; break;
@@ -722,9 +731,12 @@ class CudaBackend final : public Backend {
       cuda::scaled_rms_norm_f32_to_bf16(s_.sig, L, H, row_scaled ? s_.probs_scale : nullptr, sig_scale,
                                         weights_->sc_pre_norm_, eps, s_.x, stream_);
       gated_mlp(s_.x, L, weights_->sc_gu_, weights_->sc_down_, cfg_.intermediate_size, s_.a);
-      cuda::add_then_rms_norm(s_.h, s_.a, L, H, nullptr, eps, stream_);  // h = no-scale norm(h + SC MLP)
+      if (embed_beside) CUDA_CHECK(cudaStreamWaitEvent(stream_, join_));
+      // h = no-scale norm(h + SC MLP), and the first layer's input norm of it in the same pass
+      cuda::add_then_rms_norm(s_.h, s_.a, L, H, nullptr, eps, stream_, layers_[0].input_norm, s_.x);
     } else {
       cuda::rms_norm_f32_to_f32(s_.h, L, H, nullptr, eps, s_.h, stream_);
+      cuda::rms_norm_f32_to_bf16(s_.h, L, H, layers_[0].input_norm, eps, s_.x, stream_);
     }
     mark(kStEmbedSc);
     if (trace_) {
@@ -793,7 +805,7 @@ class CudaBackend final : public Backend {
 
   void embed(std::span<const int32_t> ids) {
     stage_ids(ids);
-    embed_staged(int(ids.size()));
+    embed_staged(int(ids.size()), stream_);
   }
   // ids into the pinned buffer, once the previous copy out of it has completed (the buffer is reused by the next
   // chunk or step; the sync also keeps the start mark of a timed step from landing behind queued work).
@@ -803,14 +815,14 @@ class CudaBackend final : public Backend {
     std::memcpy(host_ids_, ids.data(), ids.size() * 4);
   }
   // The staged ids to the device, then embed_ids.
-  void embed_staged(int n) {
-    CUDA_CHECK(cudaMemcpyAsync(s_.ids, host_ids_, size_t(n) * 4, cudaMemcpyHostToDevice, stream_));
-    embed_ids(s_.ids, n);
+  void embed_staged(int n, cudaStream_t st) {
+    CUDA_CHECK(cudaMemcpyAsync(s_.ids, host_ids_, size_t(n) * 4, cudaMemcpyHostToDevice, st));
+    embed_ids(s_.ids, n, st);
   }
   // h = E[ids] * sqrt(H), ids in device-visible memory. HF multiplies by sqrt(H) in the weight dtype (53.0); the CPU
   // oracle uses f32 sqrt(H), and so do we.
-  void embed_ids(const int32_t* ids, int n) {
-    cuda::embed_scale(ids, n, weights_->embed_, cfg_.hidden_size, std::sqrt(float(cfg_.hidden_size)), s_.h, stream_);
+  void embed_ids(const int32_t* ids, int n, cudaStream_t st) {
+    cuda::embed_scale(ids, n, weights_->embed_, cfg_.hidden_size, std::sqrt(float(cfg_.hidden_size)), s_.h, st);
   }
 
   // sig = softmax(logits / T) @ E (the sqrt(H) factor is applied by the caller)
@@ -884,8 +896,9 @@ class CudaBackend final : public Backend {
     const float eps = cfg_.rms_norm_eps;
     const bool sliding = L.shape.kind == LayerKind::Sliding;
 
-    // Layer l > 0 finds its input norm in x already: the previous layer's combine kernel wrote it.
-    if (l == 0) cuda::rms_norm_f32_to_bf16(s_.h, T, H, L.input_norm, eps, s_.x, stream_);
+    // Layer l > 0 finds its input norm in x already: the previous layer's combine kernel wrote it; so does layer 0 of a
+    // decoder pass (enqueue_denoise's SC prologue).
+    if (l == 0 && pass == Pass::Encoder) cuda::rms_norm_f32_to_bf16(s_.h, T, H, L.input_norm, eps, s_.x, stream_);
     // CudaOptions::dense_tma (plan_dense_tma): qkv and o_proj as split-K partials, summed by their readers
     const bool dense = pass == Pass::Decoder && T <= cfg_.canvas_length;
     const int qkv_splits = dense ? L.qkv_splits : 0, o_splits = dense ? L.o_splits : 0;

@@ -32,8 +32,11 @@ void rms_norm_f32_to_f32(const float* x, int rows, int n, const float* w, float 
 // widths scale x in place).
 void scaled_rms_norm_f32_to_bf16(float* x, int rows, int n, const float* row_scale, float scale, const float* w,
                                  float eps, bf16* y, cudaStream_t s);
-// h = rms_norm(h + a; w): the same bits as add_bf16_to_f32 then rms_norm_f32_to_f32 in place, in one pass.
-void add_then_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s);
+// h = rms_norm(h + a; w): the same bits as add_bf16_to_f32 then rms_norm_f32_to_f32 in place, in one pass. With y2:
+// also y2 = rms_norm(h; w2) of the new h, the same bits as rms_norm_f32_to_bf16 after it (the first layer's input
+// norm in the SC prologue).
+void add_then_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s,
+                       const float* w2 = nullptr, bf16* y2 = nullptr);
 // h += rms_norm(a; w)  (post-attention residual add)
 void add_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s);
 // From the residual h [T, H]: x1 = rms(h; w_pre) (dense MLP input), xe = rms(h; w_pre2) (expert input) and

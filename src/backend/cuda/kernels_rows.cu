@@ -359,10 +359,11 @@ int row_vec_nv(int n) {
   return nv <= 4 ? nv : 0;
 }
 
-// h = rms_norm(h + a; w): add_bf16_to_f32 then rms_norm_vec_k in place, in one pass, the same bits.
+// h = rms_norm(h + a; w): add_bf16_to_f32 then rms_norm_vec_k in place, in one pass, the same bits. y2 != null: also
+// y2 = bf16(rms_norm(h; w2)) of the new h, from the values just stored (rms_norm_vec_k after it, the same bits).
 template <int NV>
 __global__ void __launch_bounds__(kVecThreads) add_then_rms_norm_vec_k(float* h, const bf16* a, int n, const float* w,
-                                                                       float eps) {
+                                                                       float eps, const float* w2, bf16* y2) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   const int n4 = n / 4;
@@ -373,6 +374,15 @@ __global__ void __launch_bounds__(kVecThreads) add_then_rms_norm_vec_k(float* h,
   for (int j = 0; j < NV; ++j) r.v[j].x += d.v[j].x, r.v[j].y += d.v[j].y, r.v[j].z += d.v[j].z, r.v[j].w += d.v[j].w;
   const float inv = rsqrtf(block_sum(sum_sq(r)) / float(n) + eps);
   store_normed(hr, r, inv, w, n4);
+  if (!y2) return;
+  RowVec<NV> s = r;  // what store_normed wrote (chunks past n4 are never stored nor summed: zero, as load_f32 leaves them)
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int c = threadIdx.x + j * kVecThreads;
+    s.v[j] = c < n4 ? mul4(r.v[j], inv, w ? ld4(w, c) : make_float4(1, 1, 1, 1)) : make_float4(0, 0, 0, 0);
+  }
+  const float inv2 = rsqrtf(block_sum(sum_sq(s)) / float(n) + eps);
+  store_normed(y2 + size_t(blockIdx.x) * n, s, inv2, w2, n4);
 }
 
 // act = bf16(gelu_tanh(gate) * up), gate/up as bf16 (dense MLP; the padded experts' f32 variant is
@@ -1123,17 +1133,19 @@ void scaled_rms_norm_f32_to_bf16(float* x, int rows, int n, const float* row_sca
   }
   launch_rms_norm(x, rows, n, row_scale, scale, w, eps, y, s);
 }
-void add_then_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s) {
+void add_then_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s,
+                       const float* w2, bf16* y2) {
   if (rows <= 0) return;
   const int nv = row_vec_nv(n);
   if (nv == 0) {
     add_bf16_to_f32(h, a, size_t(rows) * n, s);
     rms_norm_f32_to_f32(h, rows, n, w, eps, h, s);
+    if (y2) rms_norm_f32_to_bf16(h, rows, n, w2, eps, y2, s);
     return;
   }
   auto* kern = nv == 1 ? add_then_rms_norm_vec_k<1> : nv == 2 ? add_then_rms_norm_vec_k<2>
              : nv == 3 ? add_then_rms_norm_vec_k<3> : add_then_rms_norm_vec_k<4>;
-  launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, h, a, n, w, eps);
+  launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, h, a, n, w, eps, w2, y2);
   CUDA_CHECK_LAUNCH();
 }
 void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s) {
