@@ -1698,6 +1698,18 @@ TEST(CudaKernels, SoftcapRowStatsFusedProbs) {
       auto [capped2, stats2, u2, sc2] = fused_run();
       EXPECT_EQ(std::memcmp(u2.data(), u.data(), u.size() * 2), 0) << "V " << V;
       EXPECT_EQ(std::memcmp(sc2.data(), sc.data(), sc.size() * 4), 0) << "V " << V;
+      // the stats mirrored into mapped host memory (as the captured step writes them) are the same bits
+      DeviceRowStats* host = nullptr;
+      CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host), size_t(rows) * sizeof(DeviceRowStats),
+                               cudaHostAllocMapped));
+      std::memset(static_cast<void*>(host), 0xff, size_t(rows) * sizeof(DeviceRowStats));
+      DeviceRowStats* mapped = nullptr;
+      CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped), host, 0));
+      dl.put(logits);
+      softcap_row_stats(dl.p, rows, V, cap, T, st.p, scratch.p, nullptr, probs.p, write_capped, scale.p, mapped);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_EQ(std::memcmp(host, stats.data(), stats.size() * sizeof(DeviceRowStats)), 0) << "V " << V;
+      CUDA_CHECK(cudaFreeHost(host));
     }
   }
 }

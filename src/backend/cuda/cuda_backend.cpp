@@ -748,25 +748,28 @@ class CudaBackend final : public Backend {
     } else {
       decoder_layers(L);
     }
-    if (trace_) {  // the final norm in f32 (the lm_head reads its bf16 rounding)
+    if (trace_) {  // the final norm in f32 (the lm_head reads its bf16 rounding, which the last combine wrote)
       cuda::rms_norm_f32_to_f32(s_.h, L, H, weights_->final_norm_, eps, s_.xr, stream_);
       trace_stage(s_.xr, L);
     }
-    cuda::rms_norm_f32_to_bf16(s_.h, L, H, weights_->final_norm_, eps, s_.x, stream_);
     gemm_->linear(s_.x, Dt::BF16, L, weights_->embed_, Dt::BF16, V, H, s_.logits, Dt::F32, stream_);
     mark(kStLmHead);
     // The probs for a PreviousStep SC input of the next step come out of the same pass (softmax at this T). The
     // capped logits are written back only for their readers (the host's categorical sampler, the sparse SC's
     // survivors): a 268 MB write at the full shape, ~50 us.
     const bool capped_read = req.want_logits || opt_.sc_sparse;
+    // Captured, the merge writes the statistics straight into mapped host memory as well; the sparse SC's
+    // survivor pass adds to them afterwards, so it copies them out after it.
+    const bool stats_to_host = capturing && !opt_.sc_sparse;
     cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats,
                             s_.row_stats_scratch, stream_, s_.probs, capped_read,
-                            opt_.fused_sc_probs ? s_.probs_scale : nullptr);
+                            opt_.fused_sc_probs ? s_.probs_scale : nullptr, stats_to_host ? mapped_stats_ : nullptr);
     // Survivors of the next step's sparse SC, with the counts / dropped mass that decide whether it may use them.
     if (opt_.sc_sparse) cuda::sc_survivors(s_.logits, L, V, req.temperature, s_.stats, s_.sc, stream_);
     if (capturing) {
       static_assert(sizeof(cuda::DeviceRowStats) % 4 == 0);
-      cuda::copy_words(s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats) / 4, mapped_stats_, stream_);
+      if (!stats_to_host)
+        cuda::copy_words(s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats) / 4, mapped_stats_, stream_);
     } else {
       CUDA_CHECK(cudaMemcpyAsync(host_stats_, s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats),
                                  cudaMemcpyDeviceToHost, stream_));
@@ -1111,10 +1114,14 @@ class CudaBackend final : public Backend {
       CUDA_CHECK(cudaStreamWaitEvent(stream_, join_));
       if (padded && opt_.overflow_stream) CUDA_CHECK(cudaStreamWaitEvent(stream_, overflowed_));
     }
-    const bool last = l + 1 == cfg_.num_layers;  // else the combine also writes the next layer's input norm to x
+    // The combine also writes the next layer's input norm to x; after a decoder pass's last layer, the final norm
+    // the lm_head reads (an encoder pass has no lm_head).
+    const bool last = l + 1 == cfg_.num_layers;
+    const float* next_norm = !last ? layers_[size_t(l) + 1].input_norm
+                             : pass == Pass::Decoder ? weights_->final_norm_ : nullptr;
     cuda::moe_combine_ffn(y, s_.idx, s_.wk, s_.sorted_pos, T, K, s_.h, s_.m1, H, L.post_ff1, L.post_ff2,
-                          L.post_ff, eps, pass == Pass::Encoder ? L.enc_scalar : L.dec_scalar, stream_,
-                          last ? nullptr : layers_[size_t(l) + 1].input_norm, last ? nullptr : s_.x);
+                          L.post_ff, eps, pass == Pass::Encoder ? L.enc_scalar : L.dec_scalar, stream_, next_norm,
+                          next_norm ? s_.x : nullptr);
     mark(kStCombine);
   }
 

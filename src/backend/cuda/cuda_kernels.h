@@ -100,9 +100,10 @@ size_t softcap_row_stats_scratch_bytes(int rows, int V);
 // softmax(z) = probs_row_scale[r] * probs[r, :] (probs[r, i] = bf16(exp(z_i - cap / T)); a row whose max is too far
 // below cap / T gets the normalized probs above and scale 1). One pass over the logits instead of two; a GEMM of the
 // probs is then scaled per row afterwards.
+// stats_mirror != nullptr: the stats are written there too (e.g. mapped host memory, in place of a copy after).
 void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
                        void* scratch, cudaStream_t s, bf16* probs = nullptr, bool write_capped = true,
-                       float* probs_row_scale = nullptr);
+                       float* probs_row_scale = nullptr, DeviceRowStats* stats_mirror = nullptr);
 // probs[r, :] = softmax(logits[r, :] / temperature) as bf16 (temperature 1 for already-tempered input).
 void softmax_rows_bf16(const float* logits, int rows, int V, float temperature, bf16* probs, cudaStream_t s);
 // out = in * scale (f32, in place allowed)

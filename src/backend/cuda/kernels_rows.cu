@@ -843,7 +843,8 @@ struct FusedProbs {
 // One block per row (the 256 partials of a 262144-token row: one per thread, where a warp per row took 8 rounds of a
 // load and a double exp); stats[r] from the row's `parts` partials in a fixed order.
 __global__ void __launch_bounds__(kRsThreads) rowstats_merge_k(const RowPartial* part, int parts,
-                                                               DeviceRowStats* stats, FusedProbs fp) {
+                                                               DeviceRowStats* stats, FusedProbs fp,
+                                                               DeviceRowStats* stats_mirror) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   const int r = blockIdx.x;
@@ -869,6 +870,7 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_merge_k(const RowPartial*
     o.inv_sum = float(1.0 / S);
     o.survivors = -1, o.tail_mass = 0.0f, o.tile_overflow = 0;
     stats[r] = o;
+    if (stats_mirror) stats_mirror[r] = o;
   }
   if (!fp.probs) return;
   const double gap = double(fp.ref) - double(bv);
@@ -1195,7 +1197,8 @@ size_t softcap_row_stats_scratch_bytes(int rows, int V) {
   return size_t(rows < 0 ? 0 : rows) * size_t((V + kRsTile - 1) / kRsTile) * kRsWarps * sizeof(RowPartial);
 }
 void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
-                       void* scratch, cudaStream_t s, bf16* probs, bool write_capped, float* probs_row_scale) {
+                       void* scratch, cudaStream_t s, bf16* probs, bool write_capped, float* probs_row_scale,
+                       DeviceRowStats* stats_mirror) {
   char msg[160];
   if (rows < 0 || rows > 65535 || V < 1) {
     std::snprintf(msg, sizeof msg, "rows %d must be in [0, 65535] and V %d >= 1", rows, V);
@@ -1223,7 +1226,7 @@ void softcap_row_stats(float* logits, int rows, int V, float softcap, float temp
   launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, s, logits, V, softcap, rcap, temperature, rT, part,
              write_capped, fp.probs, fp.ref);
   CUDA_CHECK_LAUNCH();
-  launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, s, part, tiles * kRsWarps, stats, fp);
+  launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, s, part, tiles * kRsWarps, stats, fp, stats_mirror);
   CUDA_CHECK_LAUNCH();
   if (probs && !fused) {
     auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true> : rowstats_probs_k<true, false>)
