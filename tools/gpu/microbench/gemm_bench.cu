@@ -13,7 +13,9 @@
 #include "microbench_check.h"
 
 
-struct Shape { const char* name; int out, T, in; bool through_table; int f32in = 0; };  // f32in 1: f32, 2: tf32
+// f32in 1: f32, 2: tf32. swap: the transposed product, column-major C[T, out] = x . W^T (row-major [out, T]), the
+// orientation the engine does not use: whether cuBLASLt's kernels for it are faster (the lm_head at 256 rows).
+struct Shape { const char* name; int out, T, in; bool through_table; int f32in = 0; bool swap = false; };
 
 int main() {
   cublasLtHandle_t h;
@@ -26,7 +28,8 @@ int main() {
       {"qkv sliding", 8192, 256, 2816, false}, {"qkv full", 9216, 256, 2816, false},
       {"o_proj sliding", 2816, 256, 4096, false}, {"o_proj full", 2816, 256, 8192, false},
       {"dense gate_up", 4224, 256, 2816, false}, {"dense down", 2816, 256, 2112, false},
-      {"lm_head", V, 256, 2816, false}, {"sc through_table", 2816, 256, V, true},
+      {"lm_head", V, 256, 2816, false}, {"lm_head swapped", V, 256, 2816, false, 0, true},
+      {"sc through_table", 2816, 256, V, true},
       {"router f32", 128, 256, 2816, false, 1}, {"router tf32", 128, 256, 2816, false, 2},
       {"qkv prefill4k", 8192, 4096, 2816, false}, {"gate_up prefill4k", 4224, 4096, 2816, false}};
   size_t max_elems = size_t(V) * 2816;
@@ -47,8 +50,12 @@ int main() {
       const cudaDataType_t ct = f32out ? CUDA_R_32F : CUDA_R_16BF;
       int m, n = s.T, k;
       bool transa;
-      if (!s.through_table) m = s.out, k = s.in, transa = true;
+      if (s.swap) m = s.T, n = s.out, k = s.in, transa = true;  // A = x^T as [k, m], B = W^T as [k, n]
+      else if (!s.through_table) m = s.out, k = s.in, transa = true;
       else m = s.out, k = s.in, transa = false;  // E^T[H, V] . p^T[V, T]
+      // swapped: the big buffer A holds W (operand B), the small one x (operand A)
+      const void* opA = s.swap ? static_cast<const void*>(B) : static_cast<const void*>(A);
+      const void* opB = s.swap ? static_cast<const void*>(A) : static_cast<const void*>(B);
       cublasLtMatmulDesc_t op;
       CK(cublasLtMatmulDescCreate(&op, s.f32in == 2 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F));
       cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N, tb = CUBLAS_OP_N;
@@ -71,12 +78,12 @@ int main() {
       for (int i = 0; i < found; ++i) {
         bool ok = true;
         for (int w = 0; w < 2 && ok; ++w)
-          ok = cublasLtMatmul(h, op, &alpha, A, la, B, lb, &beta, C, lc, C, lc, &res[i].algo, ws, ws_bytes, 0) == 0;
+          ok = cublasLtMatmul(h, op, &alpha, opA, la, opB, lb, &beta, C, lc, C, lc, &res[i].algo, ws, ws_bytes, 0) == 0;
         if (!ok) continue;
         const int reps = 10;
         cudaEventRecord(e0);
         for (int r = 0; r < reps; ++r)
-          cublasLtMatmul(h, op, &alpha, A, la, B, lb, &beta, C, lc, C, lc, &res[i].algo, ws, ws_bytes, 0);
+          cublasLtMatmul(h, op, &alpha, opA, la, opB, lb, &beta, C, lc, C, lc, &res[i].algo, ws, ws_bytes, 0);
         cudaEventRecord(e1);
         cudaEventSynchronize(e1);
         float ms;
