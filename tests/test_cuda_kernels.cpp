@@ -284,6 +284,21 @@ TEST(CudaKernels, RmsNormVariants) {
       EXPECT_EQ(std::memcmp(dx.get().data(), dh2.get().data(), x.size() * 4), 0) << "n " << n;
       rms_norm_f32_to_bf16(dh2.p, rows, n, dw2.p, eps, y16.p, nullptr);
       EXPECT_EQ(std::memcmp(y2.get().data(), y16.get().data(), x.size() * 2), 0) << "n " << n;
+      // with the rows embedded in the same pass (the PreviousStep SC prologue): the same bits as embed_scale first
+      const int vocab = 11;
+      auto table = rnd(size_t(vocab) * n, -1, 1);
+      std::vector<int32_t> ids(rows);
+      for (int r = 0; r < rows; ++r) ids[size_t(r)] = (r * 7 + 3) % vocab;
+      Dev<bf16> dtable(table.size()), y2e(x.size());
+      Dev<int32_t> dids(ids.size());
+      dtable.put(to_bf16(table)), dids.put(ids);
+      const float escale = std::sqrt(float(n));
+      embed_scale(dids.p, rows, dtable.p, n, escale, dh2.p, nullptr);
+      add_then_rms_norm(dh2.p, da.p, rows, n, wn, eps, nullptr, dw2.p, y2.p);
+      dx.put(x);  // never read: the fused pass embeds the rows itself
+      embed_add_then_rms_norm(dids.p, dtable.p, escale, dx.p, da.p, rows, n, wn, eps, nullptr, dw2.p, y2e.p);
+      EXPECT_EQ(std::memcmp(dx.get().data(), dh2.get().data(), x.size() * 4), 0) << "embedded, n " << n;
+      EXPECT_EQ(std::memcmp(y2e.get().data(), y2.get().data(), x.size() * 2), 0) << "embedded, n " << n;
     }
   }
 }

@@ -694,20 +694,13 @@ class CudaBackend final : public Backend {
     // Captured: the embedding reads the pinned ids where the host wrote them, and the statistics go back by a kernel
     // below: with memcpy nodes the graph's first kernel started ~80 us after its launch (H200 trace, session 12).
     const float sqrt_h = std::sqrt(float(H));
-    // A PreviousStep step's SC GEMM (~0.5 ms) does not read the canvas embedding: the embedding runs beside it on the
-    // side stream (idle until the first layer's dense MLP), joined before the SC signal is added.
-    const bool embed_beside = req.self_condition == SelfCondition::PreviousStep;
-    const cudaStream_t embed_stream = embed_beside ? side_ : stream_;
-    if (embed_beside) {
-      CUDA_CHECK(cudaEventRecord(fork_, stream_));
-      CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
-    }
-    if (capturing) {
-      embed_ids(mapped_ids_, L, embed_stream);
-    } else {
-      embed_staged(L, embed_stream);
-    }
-    if (embed_beside) CUDA_CHECK(cudaEventRecord(join_, side_));
+    // A PreviousStep step's SC GEMM (~0.5 ms) does not read the canvas embedding: the last norm of the SC prologue
+    // embeds the canvas rows itself (embed_add_then_rms_norm), so nothing runs before that GEMM. Other steps embed
+    // first.
+    const bool embed_in_norm = req.self_condition == SelfCondition::PreviousStep;
+    const int32_t* ids = capturing ? mapped_ids_ : s_.ids;
+    if (!capturing) CUDA_CHECK(cudaMemcpyAsync(s_.ids, host_ids_, size_t(L) * 4, cudaMemcpyHostToDevice, stream_));
+    if (!embed_in_norm) embed_ids(ids, L, stream_);
     bool have_signal = true;
     switch (req.self_condition) {
       case SelfCondition::None: have_signal = false; break;
@@ -731,9 +724,12 @@ class CudaBackend final : public Backend {
       cuda::scaled_rms_norm_f32_to_bf16(s_.sig, L, H, row_scaled ? s_.probs_scale : nullptr, sig_scale,
                                         weights_->sc_pre_norm_, eps, s_.x, stream_);
       gated_mlp(s_.x, L, weights_->sc_gu_, weights_->sc_down_, cfg_.intermediate_size, s_.a);
-      if (embed_beside) CUDA_CHECK(cudaStreamWaitEvent(stream_, join_));
       // h = no-scale norm(h + SC MLP), and the first layer's input norm of it in the same pass
-      cuda::add_then_rms_norm(s_.h, s_.a, L, H, nullptr, eps, stream_, layers_[0].input_norm, s_.x);
+      if (embed_in_norm)
+        cuda::embed_add_then_rms_norm(ids, weights_->embed_, sqrt_h, s_.h, s_.a, L, H, nullptr, eps, stream_,
+                                      layers_[0].input_norm, s_.x);
+      else
+        cuda::add_then_rms_norm(s_.h, s_.a, L, H, nullptr, eps, stream_, layers_[0].input_norm, s_.x);
     } else {
       cuda::rms_norm_f32_to_f32(s_.h, L, H, nullptr, eps, s_.h, stream_);
       cuda::rms_norm_f32_to_bf16(s_.h, L, H, layers_[0].input_norm, eps, s_.x, stream_);

@@ -37,6 +37,11 @@ void scaled_rms_norm_f32_to_bf16(float* x, int rows, int n, const float* row_sca
 // norm in the SC prologue).
 void add_then_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s,
                        const float* w2 = nullptr, bf16* y2 = nullptr);
+// The same with h's rows embedded in the pass (not read): h = rms_norm(E[ids] * escale + a; w), the same bits as
+// embed_scale then add_then_rms_norm (the SC prologue of a PreviousStep step, whose embedding then needs no launch).
+void embed_add_then_rms_norm(const int32_t* ids, const bf16* E, float escale, float* h, const bf16* a, int rows,
+                             int n, const float* w, float eps, cudaStream_t s, const float* w2 = nullptr,
+                             bf16* y2 = nullptr);
 // h += rms_norm(a; w)  (post-attention residual add)
 void add_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s);
 // From the residual h [T, H]: x1 = rms(h; w_pre) (dense MLP input), xe = rms(h; w_pre2) (expert input) and

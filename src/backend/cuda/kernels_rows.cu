@@ -361,14 +361,24 @@ int row_vec_nv(int n) {
 
 // h = rms_norm(h + a; w): add_bf16_to_f32 then rms_norm_vec_k in place, in one pass, the same bits. y2 != null: also
 // y2 = bf16(rms_norm(h; w2)) of the new h, from the values just stored (rms_norm_vec_k after it, the same bits).
+// ids != null: h's rows are not read but embedded here, E[ids[row]] * escale (embed_scale's products, the same bits).
 template <int NV>
 __global__ void __launch_bounds__(kVecThreads) add_then_rms_norm_vec_k(float* h, const bf16* a, int n, const float* w,
-                                                                       float eps, const float* w2, bf16* y2) {
+                                                                       float eps, const float* w2, bf16* y2,
+                                                                       const int32_t* ids, const bf16* E,
+                                                                       float escale) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   const int n4 = n / 4;
   float* hr = h + size_t(blockIdx.x) * n;
-  RowVec<NV> r = load_f32<NV>(hr, n4);
+  RowVec<NV> r;
+  if (ids) {
+    r = load_bf16<NV>(E + size_t(ids[blockIdx.x]) * n, n4);
+#pragma unroll
+    for (int j = 0; j < NV; ++j) r.v[j].x *= escale, r.v[j].y *= escale, r.v[j].z *= escale, r.v[j].w *= escale;
+  } else {
+    r = load_f32<NV>(hr, n4);
+  }
   const RowVec<NV> d = load_bf16<NV>(a + size_t(blockIdx.x) * n, n4);
 #pragma unroll
   for (int j = 0; j < NV; ++j) r.v[j].x += d.v[j].x, r.v[j].y += d.v[j].y, r.v[j].z += d.v[j].z, r.v[j].w += d.v[j].w;
@@ -1135,11 +1145,13 @@ void scaled_rms_norm_f32_to_bf16(float* x, int rows, int n, const float* row_sca
   }
   launch_rms_norm(x, rows, n, row_scale, scale, w, eps, y, s);
 }
-void add_then_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s,
-                       const float* w2, bf16* y2) {
+namespace {
+void launch_add_then_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s,
+                              const float* w2, bf16* y2, const int32_t* ids, const bf16* E, float escale) {
   if (rows <= 0) return;
   const int nv = row_vec_nv(n);
   if (nv == 0) {
+    if (ids) embed_scale(ids, rows, E, n, escale, h, s);
     add_bf16_to_f32(h, a, size_t(rows) * n, s);
     rms_norm_f32_to_f32(h, rows, n, w, eps, h, s);
     if (y2) rms_norm_f32_to_bf16(h, rows, n, w2, eps, y2, s);
@@ -1147,8 +1159,17 @@ void add_then_rms_norm(float* h, const bf16* a, int rows, int n, const float* w,
   }
   auto* kern = nv == 1 ? add_then_rms_norm_vec_k<1> : nv == 2 ? add_then_rms_norm_vec_k<2>
              : nv == 3 ? add_then_rms_norm_vec_k<3> : add_then_rms_norm_vec_k<4>;
-  launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, h, a, n, w, eps, w2, y2);
+  launch_pdl(kern, dim3(rows), dim3(kVecThreads), 0, s, h, a, n, w, eps, w2, y2, ids, E, escale);
   CUDA_CHECK_LAUNCH();
+}
+}  // namespace
+void add_then_rms_norm(float* h, const bf16* a, int rows, int n, const float* w, float eps, cudaStream_t s,
+                       const float* w2, bf16* y2) {
+  launch_add_then_rms_norm(h, a, rows, n, w, eps, s, w2, y2, nullptr, nullptr, 1.0f);
+}
+void embed_add_then_rms_norm(const int32_t* ids, const bf16* E, float escale, float* h, const bf16* a, int rows,
+                             int n, const float* w, float eps, cudaStream_t s, const float* w2, bf16* y2) {
+  launch_add_then_rms_norm(h, a, rows, n, w, eps, s, w2, y2, ids, E, escale);
 }
 void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s) {
   if (n == 0) return;
