@@ -45,7 +45,6 @@ struct BenchArgs {
   bool no_attn_tma = false;  // cuda::set_attention_tma(false)
   bool no_attn_key_runs = false;  // cuda::set_attention_key_runs(false)
   bool no_attn_q_tma = false;     // cuda::set_attention_q_tma(false)
-  bool no_attn_prewait = false;   // cuda::set_attention_prewait(false)
   bool no_softmax_reverse = false;  // cuda::set_softmax_rows_reverse(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   bool no_fused_sc_probs = false;  // CudaOptions::fused_sc_probs = false
@@ -149,7 +148,6 @@ int run_bench(const BenchArgs& args) {
   cuda::set_attention_tma(!args.no_attn_tma);
   cuda::set_attention_key_runs(!args.no_attn_key_runs);
   cuda::set_attention_q_tma(!args.no_attn_q_tma);
-  cuda::set_attention_prewait(!args.no_attn_prewait);
   cuda::set_softmax_rows_reverse(!args.no_softmax_reverse);
   cuda::set_router_tensor_cores(args.router_tc);
   cuda::set_route_tokens_per_block(args.route_tokens);
@@ -261,7 +259,6 @@ int run_bench(const BenchArgs& args) {
   out["attention_tma"] = !args.no_attn_tma;
   out["attention_key_runs"] = !args.no_attn_key_runs;
   out["attention_q_tma"] = !args.no_attn_q_tma;
-  out["attention_prewait"] = !args.no_attn_prewait;
   out["softmax_rows_reverse"] = !args.no_softmax_reverse;
   out["router_tensor_cores"] = args.router_tc;
   out["route_tokens_per_block"] = args.route_tokens;
@@ -507,9 +504,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--no-attn-q-tma", a->no_attn_q_tma,
                                     "A/B: the sliding attention kernel's Q rows by its consumers' cp.async instead of "
                                     "TMA (cuda::set_attention_q_tma)");
-                       sub.add_flag("--no-attn-prewait", a->no_attn_prewait,
-                                    "A/B: the sliding denoise attention issues its first cached K / V tiles after "
-                                    "griddepcontrol.wait instead of before it (cuda::set_attention_prewait)");
                        sub.add_flag("--no-softmax-reverse", a->no_softmax_reverse,
                                     "A/B: the full layers' attention softmax over the heads in order instead of last "
                                     "head first (cuda::set_softmax_rows_reverse)");

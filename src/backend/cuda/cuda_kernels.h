@@ -181,10 +181,6 @@ void set_attention_key_runs(bool on);
 // A/B (bench --no-attn-q-tma): attention_ws_k's Q rows by TMA from its producer (on, the default, where the group size
 // divides 64) or by the consumers' own cp.async. The results are bitwise the same.
 void set_attention_q_tma(bool on);
-// A/B (bench --no-attn-prewait): attention_ws_k's denoise launches (key runs) issue their split's first cached K / V
-// tiles before griddepcontrol.wait (on, the default: a denoise pass never writes the cache) or after it. The results
-// are bitwise the same.
-void set_attention_prewait(bool on);
 
 // ---- denoise attention on cuBLASLt (kernels_attention_gemm.cu) ----
 // A denoise pass's queries all see the same n keys (no mask), so per query head h (kv head h / (nh / nkv)):

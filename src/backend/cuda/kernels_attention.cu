@@ -1022,7 +1022,6 @@ struct WsKvMaps {
   TmaMap kc, vc, kn, vn, q;
   int runs;   // 1: key runs (above); the launcher sets it only for non-causal launches
   int q_tma;  // 1: Q by TMA (above)
-  int prewait;  // 1 (with runs): the first cached K / V tiles issued before griddepcontrol.wait (attention_ws_k)
 };
 struct KeyRuns {
   int64_t start_a, len_a, len_b, tiles_a, tiles_b, tiles;
@@ -1088,17 +1087,6 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
   auto empty_v = [&](int s) { return bars + 8u * uint32_t(2 * NK + 2 + s); };
   auto full_q = [&](int w) { return bars + 8u * uint32_t(2 * NK + 4 + w); };
   const bool q_tma = TMA && maps.q_tma;
-  // Run tile j0 (runs) of K or V by TMA into the stage at shared address d, with the whole tile's expect_tx on its
-  // full barrier: thread 0's part of a load; the producer's other 127 threads each arrive on the barrier.
-  auto issue_run_tile = [&](uint32_t d, bool is_k, int64_t j0, uint32_t bar) {
-    const RunTile rt = run_tile(kr, a, j0);
-    const TmaMap& m = rt.cached ? (is_k ? maps.kc : maps.vc) : (is_k ? maps.kn : maps.vn);
-    mbar_arrive_expect_tx(bar, uint32_t(64 * D * 2));
-#pragma unroll
-    for (int c = 0; c < D / 64; ++c) tma_load_3d(d + uint32_t(c * 64 * 128), &m, c * 64, kvh, int(rt.row0), bar);
-  };
-  // Thread 0's K / V run tiles [0, pre_k) / [0, pre_v) already issued before griddepcontrol.wait.
-  int pre_k = 0, pre_v = 0;
   if (tid == 0) {
     for (int s = 0; s < NK; ++s) mbar_init(full_k(s), 128), mbar_init(empty_k(s), 8);
     for (int s = 0; s < 2; ++s) mbar_init(full_v(s), 128), mbar_init(empty_v(s), 8);
@@ -1107,22 +1095,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       for (const TmaMap* m : {&maps.kc, &maps.vc, &maps.kn, &maps.vn})
         asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(m)) : "memory");
       if (q_tma) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.q)) : "memory");
-      // Before the wait, the split's first tiles while they are cache rows: a denoise pass (the only one with key
-      // runs) never writes the cache, so those rows were final before this pass began; Q and the fresh rows are the
-      // predecessor's and wait. These are each stage's first use, as the producer loop would issue them: K stages
-      // 0 .. NK - 1 and V stages 0, 1 need no empty barrier.
-      if (runs && maps.prewait) {
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        const int64_t nk = ntiles < NK ? ntiles : NK, nv = ntiles < 2 ? ntiles : 2;
-        for (; pre_k < nk && run_tile(kr, a, run0 + pre_k).cached; ++pre_k)
-          issue_run_tile(kbuf + uint32_t(pre_k * C::kv_bytes), true, run0 + pre_k, full_k(pre_k));
-        for (; pre_v < nv && run_tile(kr, a, run0 + pre_v).cached; ++pre_v)
-          issue_run_tile(vbuf + uint32_t(pre_v * C::kv_bytes), false, run0 + pre_v, full_v(pre_v));
-      }
     }
   }
   __syncthreads();
-  pdl_wait();  // launch.cuh: nothing before this touches global memory but the cache tiles above
+  pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
 
   if (tid < 128) {  // ---- producer warpgroup
@@ -1151,8 +1127,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       if constexpr (TMA) {
         if (runs) {  // j0: the run tile's index
           if (tid == 0) {
-            if (j0 - run0 >= (is_k ? pre_k : pre_v))
-              issue_run_tile(static_cast<uint32_t>(__cvta_generic_to_shared(dst)), is_k, j0, bar);
+            const RunTile rt = run_tile(kr, a, j0);
+            const TmaMap& m = rt.cached ? (is_k ? maps.kc : maps.vc) : (is_k ? maps.kn : maps.vn);
+            mbar_arrive_expect_tx(bar, uint32_t(64 * D * 2));
+            const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+#pragma unroll
+            for (int c = 0; c < D / 64; ++c) tma_load_3d(d + uint32_t(c * 64 * 128), &m, c * 64, kvh, int(rt.row0), bar);
           } else {
             mbar_arrive(bar);
           }
@@ -1650,7 +1630,6 @@ int g_attention_splits = 0;  // set_attention_splits
 bool g_attention_tma = true;  // set_attention_tma
 bool g_attention_key_runs = true;  // set_attention_key_runs
 bool g_attention_q_tma = true;     // set_attention_q_tma
-bool g_attention_prewait = true;   // set_attention_prewait
 
 Split pick_split(const AttentionArgs& a, int base, int64_t tiles, int D) {
   const int rows = a.T * (a.nh / a.nkv);
@@ -1732,7 +1711,6 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       maps.runs = tma && !a.causal && g_attention_key_runs ? 1 : 0;
       const int g = a.nh / a.nkv;
       maps.q_tma = tma && g_attention_q_tma && 64 % g == 0 ? 1 : 0;
-      maps.prewait = maps.runs && g_attention_prewait ? 1 : 0;
       if (tma) {
         const int64_t fresh_rows = std::max<int64_t>(a.T_new, 1);
         maps.kn = tma_map_bf16_heads(a.k_new, fresh_rows, a.nkv, 256, 64);
@@ -1780,7 +1758,6 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
 
 void set_attention_splits(int n) { g_attention_splits = n > 0 ? n : 0; }
 void set_attention_tma(bool on) { g_attention_tma = on; }
-void set_attention_prewait(bool on) { g_attention_prewait = on; }
 void set_attention_key_runs(bool on) { g_attention_key_runs = on; }
 void set_attention_q_tma(bool on) { g_attention_q_tma = on; }
 
