@@ -691,16 +691,16 @@ class CudaBackend final : public Backend {
   // is being captured (launch_step_graph), when it must not synchronize or read host memory it does not own.
   void enqueue_denoise(const DenoiseRequest& req, int L, bool capturing) {
     const int H = cfg_.hidden_size, V = cfg_.vocab_size;
-    // Captured: the embedding reads the pinned ids where the host wrote them, and the statistics go back by a kernel
-    // below: with memcpy nodes the graph's first kernel started ~80 us after its launch (H200 trace, session 12).
+    // Captured: the embedding reads the pinned ids where the host wrote them, and the statistics' merge kernel writes
+    // them into mapped host memory: with memcpy nodes the graph's first kernel started ~80 us after its launch (H200
+    // trace, session 12).
     const float sqrt_h = std::sqrt(float(H));
     // A PreviousStep step's SC GEMM (~0.5 ms) does not read the canvas embedding: the last norm of the SC prologue
     // embeds the canvas rows itself (embed_add_then_rms_norm), so nothing runs before that GEMM. Other steps embed
     // first.
     const bool embed_in_norm = req.self_condition == SelfCondition::PreviousStep;
-    const int32_t* ids = capturing ? mapped_ids_ : s_.ids;
-    if (!capturing) CUDA_CHECK(cudaMemcpyAsync(s_.ids, host_ids_, size_t(L) * 4, cudaMemcpyHostToDevice, stream_));
-    if (!embed_in_norm) embed_ids(ids, L, stream_);
+    const int32_t* ids = capturing ? mapped_ids_ : upload_staged_ids(L);
+    if (!embed_in_norm) embed_ids(ids, L);
     bool have_signal = true;
     switch (req.self_condition) {
       case SelfCondition::None: have_signal = false; break;
@@ -754,22 +754,16 @@ class CudaBackend final : public Backend {
     // capped logits are written back only for their readers (the host's categorical sampler, the sparse SC's
     // survivors): a 268 MB write at the full shape, ~50 us.
     const bool capped_read = req.want_logits || opt_.sc_sparse;
-    // Captured, the merge writes the statistics straight into mapped host memory as well; the sparse SC's
-    // survivor pass adds to them afterwards, so it copies them out after it.
-    const bool stats_to_host = capturing && !opt_.sc_sparse;
+    // Captured, the merge also writes the statistics into mapped host memory (a captured step never runs the sparse
+    // SC, whose survivor pass below adds to them: whole_step_graph_applies).
     cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats,
                             s_.row_stats_scratch, stream_, s_.probs, capped_read,
-                            opt_.fused_sc_probs ? s_.probs_scale : nullptr, stats_to_host ? mapped_stats_ : nullptr);
+                            opt_.fused_sc_probs ? s_.probs_scale : nullptr, capturing ? mapped_stats_ : nullptr);
     // Survivors of the next step's sparse SC, with the counts / dropped mass that decide whether it may use them.
     if (opt_.sc_sparse) cuda::sc_survivors(s_.logits, L, V, req.temperature, s_.stats, s_.sc, stream_);
-    if (capturing) {
-      static_assert(sizeof(cuda::DeviceRowStats) % 4 == 0);
-      if (!stats_to_host)
-        cuda::copy_words(s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats) / 4, mapped_stats_, stream_);
-    } else {
+    if (!capturing)
       CUDA_CHECK(cudaMemcpyAsync(host_stats_, s_.stats, size_t(L) * sizeof(cuda::DeviceRowStats),
                                  cudaMemcpyDeviceToHost, stream_));
-    }
     mark(kStRowStats);
   }
 
@@ -804,7 +798,7 @@ class CudaBackend final : public Backend {
 
   void embed(std::span<const int32_t> ids) {
     stage_ids(ids);
-    embed_staged(int(ids.size()), stream_);
+    embed_ids(upload_staged_ids(int(ids.size())), int(ids.size()));
   }
   // ids into the pinned buffer, once the previous copy out of it has completed (the buffer is reused by the next
   // chunk or step; the sync also keeps the start mark of a timed step from landing behind queued work).
@@ -813,15 +807,15 @@ class CudaBackend final : public Backend {
     mark(-1);  // start of a timed denoise step (no-op otherwise)
     std::memcpy(host_ids_, ids.data(), ids.size() * 4);
   }
-  // The staged ids to the device, then embed_ids.
-  void embed_staged(int n, cudaStream_t st) {
-    CUDA_CHECK(cudaMemcpyAsync(s_.ids, host_ids_, size_t(n) * 4, cudaMemcpyHostToDevice, st));
-    embed_ids(s_.ids, n, st);
+  // The n staged ids to the device (s_.ids, which it returns).
+  const int32_t* upload_staged_ids(int n) {
+    CUDA_CHECK(cudaMemcpyAsync(s_.ids, host_ids_, size_t(n) * 4, cudaMemcpyHostToDevice, stream_));
+    return s_.ids;
   }
   // h = E[ids] * sqrt(H), ids in device-visible memory. HF multiplies by sqrt(H) in the weight dtype (53.0); the CPU
   // oracle uses f32 sqrt(H), and so do we.
-  void embed_ids(const int32_t* ids, int n, cudaStream_t st) {
-    cuda::embed_scale(ids, n, weights_->embed_, cfg_.hidden_size, std::sqrt(float(cfg_.hidden_size)), s_.h, st);
+  void embed_ids(const int32_t* ids, int n) {
+    cuda::embed_scale(ids, n, weights_->embed_, cfg_.hidden_size, std::sqrt(float(cfg_.hidden_size)), s_.h, stream_);
   }
 
   // sig = softmax(logits / T) @ E (the sqrt(H) factor is applied by the caller)
