@@ -446,6 +446,18 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
       double(T) * V * 4, 2.0 * T * V * H, [=, &gemm](cudaStream_t st) {
         gemm.linear(x1, Dt::BF16, T, embed, Dt::BF16, V, H, logits, Dt::F32, st);
       });
+  // The same product on kernels_dense_tma.cu with one split (its f32 output is the [T, V] logits as they are): how
+  // far our own wgmma mainloop is from cuBLASLt's at a compute-bound shape, the first step towards an lm_head GEMM
+  // with the row statistics in its epilogue (docs/PERFORMANCE.md).
+  if (cuda::dense_tma_supported(T, V, H)) {
+    for (const int cl : {1, 2}) {
+      if (cuda::dense_tma_cluster(cl) != cl) continue;
+      const cuda::TmaMap we = cuda::dense_tma_weight_map(embed, V, H), xe = cuda::dense_tma_token_map(x1, T, H, cl);
+      add("GEMM lm_head dense TMA, cluster " + std::to_string(cl), "1 split, " + std::to_string(V / 128) + " tiles",
+          table + double(T) * V * 4, 2.0 * T * V * H,
+          [=](cudaStream_t st) { cuda::dense_tma_splitk(we, xe, T, V, H, 1, cl, logits, st); });
+    }
+  }
   add("softcap_row_stats + probs", std::to_string(T) + " x " + std::to_string(V), double(T) * V * 10, 0,
       [=](cudaStream_t st) { cuda::softcap_row_stats(logits, T, V, 30.0f, 0.8f, stats, scratch, st, probs); });
   float* probs_scale = ar.take<float>(T);
