@@ -1713,6 +1713,28 @@ TEST(CudaKernels, SoftcapRowStatsFusedProbs) {
       auto [capped2, stats2, u2, sc2] = fused_run();
       EXPECT_EQ(std::memcmp(u2.data(), u.data(), u.size() * 2), 0) << "V " << V;
       EXPECT_EQ(std::memcmp(sc2.data(), sc.data(), sc.size() * 4), 0) << "V " << V;
+      {  // the temperature from device memory (a captured step's): the same bits, whatever the launch argument says
+        Dev<float> t_dev{1};
+        t_dev.put(std::vector<float>{T});
+        dl.put(logits);
+        const float other = T == 0.4f ? 0.9f : 0.4f;  // the same division variant, a different value
+        ASSERT_EQ(softcap_row_stats_variant(cap, other), softcap_row_stats_variant(cap, T));
+        softcap_row_stats(dl.p, rows, V, cap, other, st.p, scratch.p, nullptr, probs.p, write_capped, scale.p,
+                          nullptr, t_dev.p);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        EXPECT_EQ(std::memcmp(dl.get().data(), capped.data(), capped.size() * 4), 0) << "V " << V;
+        EXPECT_EQ(std::memcmp(st.get().data(), stats.data(), stats.size() * sizeof(DeviceRowStats)), 0) << "V " << V;
+        EXPECT_EQ(std::memcmp(probs.get().data(), u.data(), u.size() * 2), 0) << "V " << V;
+        EXPECT_EQ(std::memcmp(scale.get().data(), sc.data(), sc.size() * 4), 0) << "V " << V;
+        // the unfused probs pass reads it too
+        dl.put(logits);
+        softcap_row_stats(dl.p, rows, V, cap, other, st.p, scratch.p, nullptr, probs.p, write_capped, nullptr,
+                          nullptr, t_dev.p);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        EXPECT_EQ(std::memcmp(st.get().data(), plain.stats.data(), stats.size() * sizeof(DeviceRowStats)), 0)
+            << "V " << V;
+        EXPECT_EQ(std::memcmp(probs.get().data(), plain.probs.data(), plain.probs.size() * 2), 0) << "V " << V;
+      }
       // the stats mirrored into mapped host memory (as the captured step writes them) are the same bits
       DeviceRowStats* host = nullptr;
       CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host), size_t(rows) * sizeof(DeviceRowStats),

@@ -505,49 +505,55 @@ TEST(CudaParity, SharedWeightsBackendsIndependent) {
 }
 
 // CudaOptions::whole_step_graph: a whole denoise step as one CUDA graph gives, bit for bit, what the layers' graph
-// with eager launches around it gives: a whole generation, then single steps over three SC modes, two temperatures
-// and two KV lengths (every change of key re-captures; a repeat replays).
+// with eager launches around it gives: a whole generation, then single steps over three SC modes, three temperatures
+// and two KV lengths (every change of key re-captures; a repeat replays), with the temperature read from device
+// memory (one graph for all of them) and as a launch argument (a graph per temperature).
 TEST(CudaParity, WholeStepGraphMatchesLayerGraph) {
   auto info = cuda::query_device(0);
   if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
   auto [model, o, prompt, layers] = conditioned_cuda();
   layers.whole_step_graph = false;
-  CudaOptions whole = layers;
-  whole.whole_step_graph = true;
-  auto ga = make_cuda_backend(*model, layers), gb = make_cuda_backend(*model, whole);
-  const auto gen_a = diffusion::generate(*ga, prompt, o);
-  const auto gen_b = diffusion::generate(*gb, prompt, o);
-  EXPECT_EQ(gen_a.ids, gen_b.ids);
-  EXPECT_EQ(gen_a.forwards, gen_b.forwards);
+  for (const bool device_temperature : {true, false}) {
+    SCOPED_TRACE(::testing::Message() << "device_temperature " << device_temperature);
+    CudaOptions whole = layers;
+    whole.whole_step_graph = true;
+    // on: one captured step for every temperature below (they differ from step to step, as in the block loop)
+    whole.device_temperature = device_temperature;
+    auto ga = make_cuda_backend(*model, layers), gb = make_cuda_backend(*model, whole);
+    const auto gen_a = diffusion::generate(*ga, prompt, o);
+    const auto gen_b = diffusion::generate(*gb, prompt, o);
+    EXPECT_EQ(gen_a.ids, gen_b.ids);
+    EXPECT_EQ(gen_a.forwards, gen_b.forwards);
 
-  std::vector<int32_t> canvas;
-  const int vocab = model->config.vocab_size;  // the conditioned fixture's vocabulary is small (256)
-  for (int i = 0; i < model->config.canvas_length; ++i) canvas.push_back(int32_t((5 + i * 37) % vocab));
-  const std::vector<int32_t> more(prompt.begin(), prompt.begin() + std::min<ptrdiff_t>(9, ptrdiff_t(prompt.size())));
-  ga->truncate(0), gb->truncate(0);
-  ga->prefill(prompt), gb->prefill(prompt);
-  struct Step {
-    SelfCondition sc;
-    float temperature;
-  };
-  const Step steps[] = {{SelfCondition::None, 0.8f},         {SelfCondition::PreviousStep, 0.8f},
-                        {SelfCondition::PreviousStep, 0.8f}, {SelfCondition::PreviousStep, 0.5f},
-                        {SelfCondition::CanvasEmbedding, 1.0f}, {SelfCondition::PreviousStep, 1.0f}};
-  for (int round = 0; round < 2; ++round) {
-    if (round == 1) ga->prefill(more), gb->prefill(more);  // a longer KV: every graph re-captured
-    for (size_t i = 0; i < std::size(steps); ++i) {
-      DenoiseRequest req;
-      req.canvas = canvas;
-      req.temperature = steps[i].temperature;
-      req.self_condition = steps[i].sc;
-      DenoiseResult x, y;
-      ga->denoise(req, x);
-      gb->denoise(req, y);
-      ASSERT_EQ(x.rows.size(), y.rows.size());
-      for (size_t r = 0; r < x.rows.size(); ++r) {
-        SCOPED_TRACE(::testing::Message() << "round " << round << " step " << i << " row " << r);
-        EXPECT_EQ(x.rows[r].argmax, y.rows[r].argmax);
-        EXPECT_EQ(0, std::memcmp(&x.rows[r], &y.rows[r], sizeof(RowStats)));
+    std::vector<int32_t> canvas;
+    const int vocab = model->config.vocab_size;  // the conditioned fixture's vocabulary is small (256)
+    for (int i = 0; i < model->config.canvas_length; ++i) canvas.push_back(int32_t((5 + i * 37) % vocab));
+    const std::vector<int32_t> more(prompt.begin(), prompt.begin() + std::min<ptrdiff_t>(9, ptrdiff_t(prompt.size())));
+    ga->truncate(0), gb->truncate(0);
+    ga->prefill(prompt), gb->prefill(prompt);
+    struct Step {
+      SelfCondition sc;
+      float temperature;
+    };
+    const Step steps[] = {{SelfCondition::None, 0.8f},         {SelfCondition::PreviousStep, 0.8f},
+                          {SelfCondition::PreviousStep, 0.8f}, {SelfCondition::PreviousStep, 0.5f},
+                          {SelfCondition::CanvasEmbedding, 1.0f}, {SelfCondition::PreviousStep, 1.0f}};
+    for (int round = 0; round < 2; ++round) {
+      if (round == 1) ga->prefill(more), gb->prefill(more);  // a longer KV: every graph re-captured
+      for (size_t i = 0; i < std::size(steps); ++i) {
+        DenoiseRequest req;
+        req.canvas = canvas;
+        req.temperature = steps[i].temperature;
+        req.self_condition = steps[i].sc;
+        DenoiseResult x, y;
+        ga->denoise(req, x);
+        gb->denoise(req, y);
+        ASSERT_EQ(x.rows.size(), y.rows.size());
+        for (size_t r = 0; r < x.rows.size(); ++r) {
+          SCOPED_TRACE(::testing::Message() << "round " << round << " step " << i << " row " << r);
+          EXPECT_EQ(x.rows[r].argmax, y.rows[r].argmax);
+          EXPECT_EQ(0, std::memcmp(&x.rows[r], &y.rows[r], sizeof(RowStats)));
+        }
       }
     }
   }

@@ -51,6 +51,7 @@ struct BenchArgs {
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
+  bool temperature_in_key = false;  // CudaOptions::device_temperature off
   bool graph_memset_nodes = false;  // CudaOptions::graph_memset_kernels off
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1, claim_ahead = 3, first_stride = 1;
@@ -163,6 +164,7 @@ int run_bench(const BenchArgs& args) {
   if (args.breakdown) opt.stage_times = &stages;
   opt.cuda_graphs = !no_graphs;
   opt.whole_step_graph = !args.layer_graph;
+  opt.device_temperature = !args.temperature_in_key;
   opt.padded_experts = !args.grouped_experts;
   opt.overlap_dense_mlp = !args.no_overlap;
   opt.fused_router = !args.cublas_router;
@@ -225,6 +227,7 @@ int run_bench(const BenchArgs& args) {
   out["reps"] = args.reps;
   out["cuda_graphs"] = !no_graphs;
   out["whole_step_graph"] = !args.layer_graph;
+  out["device_temperature"] = !args.temperature_in_key;
   out["graph_memset_kernels"] = !args.graph_memset_nodes;
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = opt.dense_mlp_sms;
@@ -481,6 +484,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--layer-graph", a->layer_graph,
                                     "A/B: only the layers of a denoise step as one CUDA graph, the rest launched "
                                     "from the host (CudaOptions::whole_step_graph = false)");
+                       sub.add_flag("--temperature-in-key", a->temperature_in_key,
+                                    "A/B: the whole-step graph takes the temperature as a launch argument, so each "
+                                    "new temperature re-captures it (CudaOptions::device_temperature = false)");
                        sub.add_option("--route-tokens", a->route_tokens,
                                       "A/B: tokens a block of the router's route kernel, 2 or 8 "
                                       "(cuda::set_route_tokens_per_block)")

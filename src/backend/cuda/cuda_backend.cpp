@@ -70,6 +70,7 @@ struct Scratch {
   cuda::DeviceRowStats* stats;
   void* row_stats_scratch;     // softcap_row_stats partials
   float* probs_scale;          // [canvas] the probs' row factors (CudaOptions::fused_sc_probs)
+  float* temperature;          // [1] the captured step's temperature (CudaOptions::device_temperature)
   cuda::ScSurvivorBuffers sc;  // sparse SC survivors (CudaOptions::sc_sparse only)
   float* attn_S;               // gemm attention: [nh][canvas_length][attn_ld] scores
   bf16* attn_P;                // and probabilities
@@ -365,6 +366,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&overflow_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&assigned_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&overflowed_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&step_fork_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&temperature_ready_, cudaEventDisableTiming));
     tm_ = std::max(opt.prefill_chunk, cfg_.canvas_length);
     if (opt.sliding_rewind < 0) fail("CudaOptions::sliding_rewind must be >= 0");
     if (opt.tma_weight_l2_promotion != 0 && opt.tma_weight_l2_promotion != 128 && opt.tma_weight_l2_promotion != 256)
@@ -436,6 +439,8 @@ class CudaBackend final : public Backend {
                              cudaHostAllocMapped));
     CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_ids_), host_ids_, 0));
     CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_stats_), host_stats_, 0));
+    CUDA_CHECK(cudaHostAlloc(&host_temperature_, sizeof(float), cudaHostAllocMapped));
+    CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_temperature_), host_temperature_, 0));
   }
 
   ~CudaBackend() override {
@@ -452,11 +457,14 @@ class CudaBackend final : public Backend {
     cudaEventDestroy(grouped_);
     cudaEventDestroy(assigned_);
     cudaEventDestroy(overflowed_);
+    cudaEventDestroy(step_fork_);
+    cudaEventDestroy(temperature_ready_);
     cudaStreamDestroy(overflow_);
     cudaStreamDestroy(side_);
     cudaFree(arena_.base);
     cudaFreeHost(host_ids_);
     cudaFreeHost(host_stats_);
+    cudaFreeHost(host_temperature_);
     cudaStreamDestroy(stream_);
   }
 
@@ -699,6 +707,14 @@ class CudaBackend final : public Backend {
     // embeds the canvas rows itself (embed_add_then_rms_norm), so nothing runs before that GEMM. Other steps embed
     // first.
     const bool embed_in_norm = req.self_condition == SelfCondition::PreviousStep;
+    // The temperature into device memory on a branch of its own, long before the row statistics read it.
+    const bool temperature_on_device = capturing && opt_.device_temperature;
+    if (temperature_on_device) {
+      CUDA_CHECK(cudaEventRecord(step_fork_, stream_));
+      CUDA_CHECK(cudaStreamWaitEvent(side_, step_fork_));
+      cuda::copy_words(mapped_temperature_, 1, s_.temperature, side_);
+      CUDA_CHECK(cudaEventRecord(temperature_ready_, side_));
+    }
     const int32_t* ids = capturing ? mapped_ids_ : upload_staged_ids(L);
     if (!embed_in_norm) embed_ids(ids, L);
     bool have_signal = true;
@@ -756,9 +772,11 @@ class CudaBackend final : public Backend {
     const bool capped_read = req.want_logits || opt_.sc_sparse;
     // Captured, the merge also writes the statistics into mapped host memory (a captured step never runs the sparse
     // SC, whose survivor pass below adds to them: whole_step_graph_applies).
+    if (temperature_on_device) CUDA_CHECK(cudaStreamWaitEvent(stream_, temperature_ready_));
     cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats,
                             s_.row_stats_scratch, stream_, s_.probs, capped_read,
-                            opt_.fused_sc_probs ? s_.probs_scale : nullptr, capturing ? mapped_stats_ : nullptr);
+                            opt_.fused_sc_probs ? s_.probs_scale : nullptr, capturing ? mapped_stats_ : nullptr,
+                            temperature_on_device ? s_.temperature : nullptr);
     // Survivors of the next step's sparse SC, with the counts / dropped mass that decide whether it may use them.
     if (opt_.sc_sparse) cuda::sc_survivors(s_.logits, L, V, req.temperature, s_.stats, s_.sc, stream_);
     if (!capturing)
@@ -783,7 +801,12 @@ class CudaBackend final : public Backend {
     const size_t mode = size_t(req.self_condition);
     if (mode >= step_graphs_.size()) fail("denoise: unknown self-conditioning mode {}", int(mode));
     StepGraph& g = step_graphs_[mode];
-    const StepGraphKey key{L, kv_len_, req.temperature};
+    // With the temperature on the device only its division variant shapes the graph (softcap_row_stats_variant).
+    const float t_key = opt_.device_temperature
+                            ? float(cuda::softcap_row_stats_variant(cfg_.final_logit_softcapping, req.temperature))
+                            : req.temperature;
+    const StepGraphKey key{L, kv_len_, t_key};
+    *host_temperature_ = req.temperature;  // the stream is idle (stage_ids synchronized it)
     if (!g.exec || !(key == g.key)) {
       g.key = StepGraphKey{};  // stays invalid if the capture below throws
       capture_graph(g.exec, [&] { enqueue_denoise(req, L, /*capturing=*/true); });
@@ -1194,6 +1217,7 @@ class CudaBackend final : public Backend {
     s_.stats = ar.take<cuda::DeviceRowStats>(Lc);
     s_.row_stats_scratch = ar.take<char>(cuda::softcap_row_stats_scratch_bytes(int(Lc), int(V)));
     s_.probs_scale = ar.take<float>(Lc);
+    s_.temperature = ar.take<float>(1);
     if (opt_.sc_sparse) {
       const size_t tiles = size_t(cuda::sc_tiles(int(V))), slots = Lc * tiles * cuda::kScTileSlots;
       s_.sc.ids = ar.take<int32_t>(slots);
@@ -1222,6 +1246,9 @@ class CudaBackend final : public Backend {
   bool use_tma_experts_ = false;        // CudaOptions::tma_experts and experts_tma_supported at the canvas shape
   cuda::TmaMap xs_map_{}, acte_map_{};  // over the padded rows of s_.xs / s_.acte (box M rows)
   int32_t* host_ids_ = nullptr;
+  float* host_temperature_ = nullptr;  // mapped: the captured step's temperature (CudaOptions::device_temperature)
+  float* mapped_temperature_ = nullptr;
+  cudaEvent_t step_fork_ = nullptr, temperature_ready_ = nullptr;
   cuda::DeviceRowStats* host_stats_ = nullptr;
   int32_t* mapped_ids_ = nullptr;  // the device's addresses of the two pinned buffers above
   cuda::DeviceRowStats* mapped_stats_ = nullptr;
@@ -1237,7 +1264,7 @@ class CudaBackend final : public Backend {
   struct StepGraphKey {
     int rows = -1;
     int64_t kv_len = -1;
-    float temperature = 0.0f;
+    float temperature = 0.0f;  // with CudaOptions::device_temperature: softcap_row_stats_variant
     bool operator==(const StepGraphKey&) const = default;
   };
   struct StepGraph {

@@ -66,6 +66,11 @@ struct CudaOptions {
   // layers' graph; on the H200 (docs/BENCHMARKS.md, session 12) 0.00-0.08 ms faster a 4K step in each of four calls
   // (fewer host launches a step). A/B: bench --layer-graph.
   bool whole_step_graph = true;
+  // With whole_step_graph: the step's temperature is read from device memory when the graph runs (copied from mapped
+  // pinned memory on a side branch at the graph's start), so one captured step serves every temperature. Without it
+  // the temperature is a launch argument and part of the graph's key: the block loop's schedule changes T every step,
+  // so every step re-captured and patched the ~560-launch graph on the host. A/B: bench --temperature-in-key.
+  bool device_temperature = true;
   // With cuda_graphs: each memset node of a captured graph (cuBLASLt zeroes a 4-byte workspace word before some of
   // its GEMMs: the full layers' pointer-array S GEMM, lm_head) becomes a kernel node with the same stores and edges
   // (cuda::memset_nodes_as_kernels). The session-12 profile showed the step idle ~12-14 us after each such memset

@@ -106,9 +106,16 @@ size_t softcap_row_stats_scratch_bytes(int rows, int V);
 // below cap / T gets the normalized probs above and scale 1). One pass over the logits instead of two; a GEMM of the
 // probs is then scaled per row afterwards.
 // stats_mirror != nullptr: the stats are written there too (e.g. mapped host memory, in place of a copy after).
+// temperature_dev != nullptr: the kernels read the temperature from this device float when they run (1 / T and
+// cap / T rounded on the device as the host rounds them: the same bits as passing it), and `temperature` only picks
+// the division variant (softcap_row_stats_variant). A captured step then serves every temperature of its variant.
 void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
                        void* scratch, cudaStream_t s, bf16* probs = nullptr, bool write_capped = true,
-                       float* probs_row_scale = nullptr, DeviceRowStats* stats_mirror = nullptr);
+                       float* probs_row_scale = nullptr, DeviceRowStats* stats_mirror = nullptr,
+                       const float* temperature_dev = nullptr);
+// Which kernels softcap_row_stats launches for (softcap, temperature), apart from the shapes: 1 where divisions by
+// cap and T are done by reciprocal (every temperature in [2^-24, 2^24] with cap in [1, 2^24]), 0 otherwise.
+int softcap_row_stats_variant(float softcap, float temperature);
 // probs[r, :] = softmax(logits[r, :] / temperature) as bf16 (temperature 1 for already-tempered input).
 void softmax_rows_bf16(const float* logits, int rows, int V, float temperature, bf16* probs, cudaStream_t s);
 // out = in * scale (f32, in place allowed)

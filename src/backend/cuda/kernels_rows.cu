@@ -681,6 +681,12 @@ __device__ __forceinline__ float ex2_ftz(float x) {
   return y;
 }
 
+// The temperature from device memory (softcap_row_stats' temperature_dev): 1 / T and cap / T rounded as the host
+// rounds them (IEEE division, round to nearest), so a step captured once serves every temperature with the same bits.
+__device__ __forceinline__ void rs_device_temperature(float t, float cap, float& T, float& rT, float& ref) {
+  T = t, rT = __frcp_rn(t), ref = __fdiv_rn(cap, t);
+}
+
 // z[4 k + q] = softcapped token base + 4 (threadIdx.x + k kRsThreads) + q of the row, / T; -inf past V. The capped
 // values are written back. kVec: V % 4 == 0 (16-byte aligned rows); kFull: the whole tile is inside the row.
 template <bool kVec, bool kFull, bool kRcp>
@@ -732,9 +738,11 @@ __device__ __forceinline__ void rs_tile_z(float* row, int V, int base, float cap
 template <bool kVec, bool kRcp, bool kFastExp>
 __global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int V, float cap, float rcap,
                                                               float temperature, float rT, RowPartial* part,
-                                                              bool write_capped, bf16* probs, float ref) {
+                                                              bool write_capped, bf16* probs, float ref,
+                                                              const float* t_dev) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
+  if (t_dev) rs_device_temperature(*t_dev, cap, temperature, rT, ref);
   const int tile = blockIdx.x, r = blockIdx.y;
   float* row = logits + size_t(r) * V;
   const int base = tile * kRsTile;
@@ -848,6 +856,7 @@ struct FusedProbs {
   int V;
   float T, rT, cap, rcap, ref;
   bool raw, rcp;
+  const float* t_dev;  // non-null: T, rT and ref from *t_dev (rs_device_temperature)
 };
 
 // One block per row (the 256 partials of a 262144-token row: one per thread, where a warp per row took 8 rounds of a
@@ -857,6 +866,7 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_merge_k(const RowPartial*
                                                                DeviceRowStats* stats_mirror) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
+  if (fp.t_dev) rs_device_temperature(*fp.t_dev, fp.cap, fp.T, fp.rT, fp.ref);
   const int r = blockIdx.x;
   const RowPartial* p = part + size_t(r) * parts;
   float bv = -INFINITY;
@@ -901,9 +911,14 @@ template <bool kVec, bool kRcp>
 __global__ void __launch_bounds__(kRsThreads) rowstats_probs_k(const float* logits, int rows, int V, int tiles,
                                                                float temperature, float rT,
                                                                const DeviceRowStats* stats, bf16* probs,
-                                                               bool raw, float cap, float rcap) {
+                                                               bool raw, float cap, float rcap,
+                                                               const float* t_dev) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
+  if (t_dev) {
+    float ref_unused = 0;
+    rs_device_temperature(*t_dev, cap, temperature, rT, ref_unused);
+  }
   const int tile = tiles - 1 - int(blockIdx.x), r = rows - 1 - int(blockIdx.y);  // reverse: L2-resident tiles first
   const float* row = logits + size_t(r) * V;
   bf16* out = probs + size_t(r) * V;
@@ -1219,7 +1234,7 @@ size_t softcap_row_stats_scratch_bytes(int rows, int V) {
 }
 void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
                        void* scratch, cudaStream_t s, bf16* probs, bool write_capped, float* probs_row_scale,
-                       DeviceRowStats* stats_mirror) {
+                       DeviceRowStats* stats_mirror, const float* temperature_dev) {
   char msg[160];
   if (rows < 0 || rows > 65535 || V < 1) {
     std::snprintf(msg, sizeof msg, "rows %d must be in [0, 65535] and V %d >= 1", rows, V);
@@ -1243,9 +1258,9 @@ void softcap_row_stats(float* logits, int rows, int V, float softcap, float temp
                      : (rcp ? rowstats_tile_k<false, true, kRsFastExp> : rowstats_tile_k<false, false, kRsFastExp>);
   const bool fused = probs && probs_row_scale;
   const FusedProbs fp{fused ? probs : nullptr, probs_row_scale, logits, V, temperature, rT, softcap, rcap,
-                      softcap / temperature, !write_capped, rcp};
+                      softcap / temperature, !write_capped, rcp, temperature_dev};
   launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, s, logits, V, softcap, rcap, temperature, rT, part,
-             write_capped, fp.probs, fp.ref);
+             write_capped, fp.probs, fp.ref, temperature_dev);
   CUDA_CHECK_LAUNCH();
   launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, s, part, tiles * kRsWarps, stats, fp, stats_mirror);
   CUDA_CHECK_LAUNCH();
@@ -1253,10 +1268,11 @@ void softcap_row_stats(float* logits, int rows, int V, float softcap, float temp
     auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true> : rowstats_probs_k<true, false>)
                         : (rcp ? rowstats_probs_k<false, true> : rowstats_probs_k<false, false>);
     launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, s, logits, rows, V, tiles, temperature, rT, stats, probs,
-               !write_capped, softcap, rcap);
+               !write_capped, softcap, rcap, temperature_dev);
     CUDA_CHECK_LAUNCH();
   }
 }
+int softcap_row_stats_variant(float softcap, float temperature) { return rs_rcp_ok(softcap, temperature) ? 1 : 0; }
 void softmax_rows_bf16(const float* logits, int rows, int V, float temperature, bf16* probs, cudaStream_t s) {
   if (rows == 0) return;
   softmax_rows_bf16_k<<<rows, 1024, 0, s>>>(logits, V, temperature, probs);
