@@ -360,18 +360,43 @@ int run_bench(const BenchArgs& args) {
     auto prompt = random_ids(args.e2e_prompt);
     std::vector<double> t;
     int64_t forwards = 0;
+    // Where the run's time goes: each step's end (the observer runs right after the backend's denoise returns), so the
+    // first interval holds the prompt's prefill and the first step, the others one step and the host's sampler work.
+    std::vector<std::chrono::steady_clock::time_point> step_ends;
+    diffusion::Observers obs;
+    obs.on_step = [&](const diffusion::StepEvent&) { step_ends.push_back(std::chrono::steady_clock::now()); };
+    double first_ms = 0;
+    std::vector<double> intervals;
     for (int r = 0; r < 3; ++r) {  // the first run is the warm-up (graph capture at these kv lengths)
       be->truncate(0);
+      step_ends.clear();
       const auto t0 = std::chrono::steady_clock::now();
-      auto res = diffusion::generate(*be, prompt, o);
-      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      auto res = diffusion::generate(*be, prompt, o, obs);
+      const auto t1 = std::chrono::steady_clock::now();
+      const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
       if (r > 0) t.push_back(ms);
       forwards = res.forwards;
+      if (r == 2 && !step_ends.empty()) {
+        first_ms = std::chrono::duration<double, std::milli>(step_ends.front() - t0).count();
+        for (size_t i = 1; i < step_ends.size(); ++i)
+          intervals.push_back(std::chrono::duration<double, std::milli>(step_ends[i] - step_ends[i - 1]).count());
+      }
     }
     const double ms = median(t);
     out["end_to_end"] = {{"prompt", args.e2e_prompt}, {"tokens", args.e2e_tokens},
                          {"steps_per_canvas", args.fixed_steps}, {"forwards", forwards},
                          {"ms", ms}, {"tok_per_s", args.e2e_tokens / (ms / 1e3)}};
+    if (!intervals.empty()) {
+      out["end_to_end"]["step_interval_ms"] = intervals;
+      out["end_to_end"]["prefill_and_first_step_ms"] = first_ms;
+      std::fprintf(stderr, "end to end, last run: prompt prefill + first step %.1f ms; later steps %.2f ms median "
+                   "(min %.2f, max %.2f) from one step's end to the next\n", first_ms, median(intervals),
+                   *std::min_element(intervals.begin(), intervals.end()),
+                   *std::max_element(intervals.begin(), intervals.end()));
+      std::string each;
+      for (double v : intervals) each += " " + std::to_string(v).substr(0, 5);
+      std::fprintf(stderr, "  steps 2..%zu (ms):%s\n", intervals.size() + 1, each.c_str());
+    }
     std::fprintf(stderr, "end to end: %d-token prompt + %d tokens at %d steps per canvas: %.1f ms (%lld forwards), "
                  "%.0f tok/s\n", args.e2e_prompt, args.e2e_tokens, args.fixed_steps, ms,
                  static_cast<long long>(forwards), args.e2e_tokens / (ms / 1e3));
