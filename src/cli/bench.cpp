@@ -328,6 +328,26 @@ int run_bench(const BenchArgs& args) {
                      100.0 * ms / std::max(1, stages.steps) / std::max(sum, 1e-9));
       std::fprintf(stderr, "  %-28s %8.3f\n", "sum of stages", sum);
     }
+    // A canvas's first step as the block loop runs it (SC from the canvas embedding), alone and right after a commit
+    // (prefill) of 256 tokens: the end-to-end run's first steps took ~4 ms longer than the timed ones.
+    {
+      DenoiseRequest first = req;
+      first.self_condition = SelfCondition::CanvasEmbedding;
+      be->denoise(first, res);  // capture
+      std::vector<double> alone, after;
+      auto more = random_ids(L);
+      for (int r = 0; r < 3; ++r) {
+        alone.push_back(timer.ms([&] { be->denoise(first, res); }));
+        be->prefill(more);
+        be->truncate(ctx);
+        after.push_back(timer.ms([&] { be->denoise(first, res); }));
+      }
+      out["denoise"][std::to_string(ctx)]["first_step_ms"] = median(alone);
+      out["denoise"][std::to_string(ctx)]["first_step_after_prefill_ms"] = median(after);
+      std::fprintf(stderr, "kv %6d: a canvas's first step (canvas-embedding SC) %.2f ms, right after a prefill %.2f ms\n",
+                   ctx, median(alone), median(after));
+      be->denoise(req, res);  // the PreviousStep mode's previous rows again
+    }
     // Commit of one canvas (encoder pass over 256 tokens), then rewind it.
     std::vector<double> tc;
     auto commit = random_ids(L);
