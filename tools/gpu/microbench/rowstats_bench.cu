@@ -414,14 +414,14 @@ void new_variant(float* logits, int rows, int V, float cap, float T, DeviceRowSt
   auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kFastExp> : rowstats_tile_k<true, false, kFastExp>)
                      : (rcp ? rowstats_tile_k<false, true, kFastExp> : rowstats_tile_k<false, false, kFastExp>);
   launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, nullptr, logits, V, cap, rcap, T, rT, part, true,
-             static_cast<bf16*>(nullptr), 0.0f);
+             static_cast<bf16*>(nullptr), 0.0f, static_cast<const float*>(nullptr));
   launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, nullptr, part, tiles * kRsWarps, stats, FusedProbs{},
              static_cast<DeviceRowStats*>(nullptr));
   if (probs) {
     auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true> : rowstats_probs_k<true, false>)
                         : (rcp ? rowstats_probs_k<false, true> : rowstats_probs_k<false, false>);
     launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, nullptr, logits, rows, V, tiles, T, rT, stats, probs, false,
-               cap, rcap);
+               cap, rcap, static_cast<const float*>(nullptr));
   }
   CUDA_CHECK(cudaGetLastError());
 }
