@@ -52,6 +52,7 @@ struct BenchArgs {
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
   bool temperature_in_key = false;  // CudaOptions::device_temperature off
+  int canvas_distinct = 0;          // > 0: the timed canvas holds this many distinct tokens (0: uniform random)
   bool graph_memset_nodes = false;  // CudaOptions::graph_memset_kernels off
   bool dense_mlp_priority = false;
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1, claim_ahead = 3, first_stride = 1;
@@ -228,6 +229,7 @@ int run_bench(const BenchArgs& args) {
   out["cuda_graphs"] = !no_graphs;
   out["whole_step_graph"] = !args.layer_graph;
   out["device_temperature"] = !args.temperature_in_key;
+  out["canvas_distinct"] = args.canvas_distinct;
   out["graph_memset_kernels"] = !args.graph_memset_nodes;
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = opt.dense_mlp_sms;
@@ -289,6 +291,8 @@ int run_bench(const BenchArgs& args) {
     be->prefill(random_ids(ctx));
     DenoiseRequest req;
     auto canvas = random_ids(L);
+    if (args.canvas_distinct > 0)  // a canvas of few distinct tokens: the routing concentrates on fewer experts
+      for (auto& id : canvas) id = canvas[size_t(uint32_t(id) % uint32_t(args.canvas_distinct))];
     req.canvas = canvas;
     req.temperature = 0.8f;
     DenoiseResult res;
@@ -539,6 +543,11 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--layer-graph", a->layer_graph,
                                     "A/B: only the layers of a denoise step as one CUDA graph, the rest launched "
                                     "from the host (CudaOptions::whole_step_graph = false)");
+                       sub.add_option("--canvas-distinct", a->canvas_distinct,
+                                      "the timed denoise canvas drawn from this many distinct tokens (default 0: "
+                                      "uniform random), to see what a concentrated routing (experts past their padded "
+                                      "rows) costs")
+                           ->check(CLI::Range(0, 1 << 20));
                        sub.add_flag("--temperature-in-key", a->temperature_in_key,
                                     "A/B: the whole-step graph takes the temperature as a launch argument, so each "
                                     "new temperature re-captures it (CudaOptions::device_temperature = false)");
