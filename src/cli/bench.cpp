@@ -52,6 +52,7 @@ struct BenchArgs {
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
   bool temperature_in_key = false;  // CudaOptions::device_temperature off
+  bool first_step = false;          // also time a canvas's first step after prefills
   int canvas_distinct = 0;          // > 0: the timed canvas holds this many distinct tokens (0: uniform random)
   bool graph_memset_nodes = false;  // CudaOptions::graph_memset_kernels off
   bool dense_mlp_priority = false;
@@ -332,9 +333,10 @@ int run_bench(const BenchArgs& args) {
                      100.0 * ms / std::max(1, stages.steps) / std::max(sum, 1e-9));
       std::fprintf(stderr, "  %-28s %8.3f\n", "sum of stages", sum);
     }
-    // A canvas's first step as the block loop runs it (SC from the canvas embedding), alone and right after a commit
-    // (prefill) of 256 tokens: the end-to-end run's first steps took ~4 ms longer than the timed ones.
-    {
+    // --first-step: a canvas's first step as the block loop runs it (SC from the canvas embedding), alone and right
+    // after a commit (prefill) of 256 tokens and after the whole context's prefill (session 23: some machines ran the
+    // end-to-end run's first step ~4 ms longer than the timed ones; others did not).
+    if (args.first_step) {
       DenoiseRequest first = req;
       first.self_condition = SelfCondition::CanvasEmbedding;
       be->denoise(first, res);  // capture
@@ -543,6 +545,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--layer-graph", a->layer_graph,
                                     "A/B: only the layers of a denoise step as one CUDA graph, the rest launched "
                                     "from the host (CudaOptions::whole_step_graph = false)");
+                       sub.add_flag("--first-step", a->first_step,
+                                    "also time a canvas's first step (canvas-embedding SC) alone, after a 256-token "
+                                    "prefill and after the context's prefill from an empty cache");
                        sub.add_option("--canvas-distinct", a->canvas_distinct,
                                       "the timed denoise canvas drawn from this many distinct tokens (default 0: "
                                       "uniform random), to see what a concentrated routing (experts past their padded "
