@@ -408,8 +408,7 @@ int run_bench(const BenchArgs& args) {
       step_ends.clear();
       const auto t0 = std::chrono::steady_clock::now();
       auto res = diffusion::generate(*be, prompt, o, obs);
-      const auto t1 = std::chrono::steady_clock::now();
-      const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       if (r > 0) t.push_back(ms);
       forwards = res.forwards;
       if (r == 2 && !step_ends.empty()) {
@@ -429,9 +428,9 @@ int run_bench(const BenchArgs& args) {
                    "(min %.2f, max %.2f) from one step's end to the next\n", first_ms, median(intervals),
                    *std::min_element(intervals.begin(), intervals.end()),
                    *std::max_element(intervals.begin(), intervals.end()));
-      std::string each;
-      for (double v : intervals) each += " " + std::to_string(v).substr(0, 5);
-      std::fprintf(stderr, "  steps 2..%zu (ms):%s\n", intervals.size() + 1, each.c_str());
+      std::fprintf(stderr, "  steps 2..%zu (ms):", intervals.size() + 1);
+      for (double v : intervals) std::fprintf(stderr, " %.2f", v);
+      std::fprintf(stderr, "\n");
     }
     std::fprintf(stderr, "end to end: %d-token prompt + %d tokens at %d steps per canvas: %.1f ms (%lld forwards), "
                  "%.0f tok/s\n", args.e2e_prompt, args.e2e_tokens, args.fixed_steps, ms,

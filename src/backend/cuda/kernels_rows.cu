@@ -681,11 +681,10 @@ __device__ __forceinline__ float ex2_ftz(float x) {
   return y;
 }
 
-// The temperature from device memory (softcap_row_stats' temperature_dev): 1 / T and cap / T rounded as the host
-// rounds them (IEEE division, round to nearest), so a step captured once serves every temperature with the same bits.
-__device__ __forceinline__ void rs_device_temperature(float t, float cap, float& T, float& rT, float& ref) {
-  T = t, rT = __frcp_rn(t), ref = __fdiv_rn(cap, t);
-}
+// The temperature from device memory (softcap_row_stats' temperature_dev): 1 / T (and cap / T where a kernel needs
+// it, __fdiv_rn) rounded as the host rounds them (IEEE, round to nearest), so a step captured once serves every
+// temperature with the same bits.
+__device__ __forceinline__ void rs_device_temperature(float t, float& T, float& rT) { T = t, rT = __frcp_rn(t); }
 
 // z[4 k + q] = softcapped token base + 4 (threadIdx.x + k kRsThreads) + q of the row, / T; -inf past V. The capped
 // values are written back. kVec: V % 4 == 0 (16-byte aligned rows); kFull: the whole tile is inside the row.
@@ -742,7 +741,7 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int
                                                               const float* t_dev) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
-  if (t_dev) rs_device_temperature(*t_dev, cap, temperature, rT, ref);
+  if (t_dev) rs_device_temperature(*t_dev, temperature, rT), ref = __fdiv_rn(cap, temperature);
   const int tile = blockIdx.x, r = blockIdx.y;
   float* row = logits + size_t(r) * V;
   const int base = tile * kRsTile;
@@ -841,6 +840,36 @@ __device__ __forceinline__ float exact_prob(float x, bool raw, float cap, float 
   return expf(rs_div<kRcp>(x, T, rT) - M) * inv;
 }
 
+// out[i] = bf16(p1(row[i])) over the kRsTile tokens from base: a full tile with all eight 16-byte loads of a thread
+// in flight before the arithmetic (kVec), a ragged one token by token.
+template <bool kVec, class P>
+__device__ __forceinline__ void write_probs_tile(const float* row, bf16* out, int V, int base, P p1) {
+  if (kVec && base + kRsTile <= V) {
+    const float4* row4 = reinterpret_cast<const float4*>(row + base) + threadIdx.x;
+    float4 x[kRsVec];
+#pragma unroll
+    for (int k = 0; k < kRsVec; ++k) x[k] = row4[k * kRsThreads];
+#pragma unroll
+    for (int k = 0; k < kRsVec; ++k)
+      st4(out, base / 4 + threadIdx.x + k * kRsThreads, make_float4(p1(x[k].x), p1(x[k].y), p1(x[k].z), p1(x[k].w)));
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kRsVec; ++k) {
+    const int i0 = base + 4 * (threadIdx.x + k * kRsThreads);
+    if (kVec) {
+      if (i0 < V) {
+        const float4 x = reinterpret_cast<const float4*>(row)[i0 / 4];
+        st4(out, i0 / 4, make_float4(p1(x.x), p1(x.y), p1(x.z), p1(x.w)));
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        if (i0 + q < V) out[i0 + q] = __float2bfloat16(p1(row[i0 + q]));
+    }
+  }
+}
+
 // The fused SC probs (softcap_row_stats with probs_row_scale): the tile pass writes u = bf16(exp(z - ref)) with ref =
 // cap / T, an upper bound of z known before the pass, and the merge sets scale = exp(ref - M) / sum, so that
 // probs @ E = scale * (u @ E) without a second pass over the logits. Where ref - M <= kFusedProbsMaxGap, the row's
@@ -867,7 +896,7 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_merge_k(const RowPartial*
                                                                DeviceRowStats* stats_mirror) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
-  if (fp.t_dev) rs_device_temperature(*fp.t_dev, fp.cap, fp.T, fp.rT, fp.ref);
+  if (fp.t_dev) rs_device_temperature(*fp.t_dev, fp.T, fp.rT), fp.ref = __fdiv_rn(fp.cap, fp.T);
   const int r = blockIdx.x;
   const RowPartial* p = part + size_t(r) * parts;
   float bv = -INFINITY;
@@ -906,27 +935,13 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_merge_k(const RowPartial*
     return fp.rcp ? exact_prob<true>(x, fp.raw, fp.cap, fp.rcap, fp.T, fp.rT, M, inv)
                   : exact_prob<false>(x, fp.raw, fp.cap, fp.rcap, fp.T, fp.rT, M, inv);
   };
-  if (fp.vec) {
-    // One block streams the whole row (1 MB of logits at the full vocabulary): eight 16-byte loads in flight a
-    // thread, or the rewrite is bound by one load's latency at a time (~270 us a row on the H200, against ~126 us for
-    // every row's fused pass together). The same values as the scalar loop.
-    const float4* row4 = reinterpret_cast<const float4*>(row);
-    const int n4 = fp.V / 4;
-    for (int base = 0; base < n4; base += kRsThreads * kRsVec) {
-      float4 x[kRsVec];
-#pragma unroll
-      for (int k = 0; k < kRsVec; ++k) {
-        const int i = base + int(threadIdx.x) + k * kRsThreads;
-        if (i < n4) x[k] = row4[i];
-      }
-#pragma unroll
-      for (int k = 0; k < kRsVec; ++k) {
-        const int i = base + int(threadIdx.x) + k * kRsThreads;
-        if (i < n4) st4(out, i, make_float4(p1(x[k].x), p1(x[k].y), p1(x[k].z), p1(x[k].w)));
-      }
-    }
-  } else {
-    for (int i = threadIdx.x; i < fp.V; i += blockDim.x) out[i] = __float2bfloat16(p1(row[i]));
+  // One block streams the whole row (1 MB of logits at the full vocabulary) tile by tile, as rowstats_probs_k does:
+  // one load at a time a thread, the rewrite was bound by its latency (~270 us a row on the H200).
+  for (int base = 0; base < fp.V; base += kRsTile) {
+    if (fp.vec)
+      write_probs_tile<true>(row, out, fp.V, base, p1);
+    else
+      write_probs_tile<false>(row, out, fp.V, base, p1);
   }
   if (threadIdx.x == 0) fp.scale[r] = 1.0f;
 }
@@ -939,41 +954,15 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_probs_k(const float* logi
                                                                const float* t_dev) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
-  if (t_dev) {
-    float ref_unused = 0;
-    rs_device_temperature(*t_dev, cap, temperature, rT, ref_unused);
-  }
+  if (t_dev) rs_device_temperature(*t_dev, temperature, rT);
   const int tile = tiles - 1 - int(blockIdx.x), r = rows - 1 - int(blockIdx.y);  // reverse: L2-resident tiles first
   const float* row = logits + size_t(r) * V;
   bf16* out = probs + size_t(r) * V;
   const float M = stats[r].max_z, inv = stats[r].inv_sum;
   const int base = tile * kRsTile;
   // raw: the logits were left uncapped (write_capped false): the same softcap_rs as the stats pass, so the same bits
-  auto p1 = [&](float x) { return exact_prob<kRcp>(x, raw, cap, rcap, temperature, rT, M, inv); };
-  if (kVec && base + kRsTile <= V) {  // all eight loads in flight before the arithmetic
-    const float4* row4 = reinterpret_cast<const float4*>(row + base) + threadIdx.x;
-    float4 x[kRsVec];
-#pragma unroll
-    for (int k = 0; k < kRsVec; ++k) x[k] = row4[k * kRsThreads];
-#pragma unroll
-    for (int k = 0; k < kRsVec; ++k)
-      st4(out, base / 4 + threadIdx.x + k * kRsThreads, make_float4(p1(x[k].x), p1(x[k].y), p1(x[k].z), p1(x[k].w)));
-    return;
-  }
-#pragma unroll
-  for (int k = 0; k < kRsVec; ++k) {
-    const int i0 = base + 4 * (threadIdx.x + k * kRsThreads);
-    if (kVec) {
-      if (i0 < V) {
-        const float4 x = reinterpret_cast<const float4*>(row)[i0 / 4];
-        st4(out, i0 / 4, make_float4(p1(x.x), p1(x.y), p1(x.z), p1(x.w)));
-      }
-    } else {
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        if (i0 + q < V) out[i0 + q] = __float2bfloat16(p1(row[i0 + q]));
-    }
-  }
+  write_probs_tile<kVec>(row, out, V, base,
+                         [&](float x) { return exact_prob<kRcp>(x, raw, cap, rcap, temperature, rT, M, inv); });
 }
 
 // Whether div_rcp may stand in for the divisions by cap and T: no reciprocal, quotient or residual overflows, and
