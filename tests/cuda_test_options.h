@@ -8,7 +8,8 @@
 // the tensor cores (cuda::set_router_tensor_cores), DIFFGEMMA_TEST_UNFUSED_EXPERTS=1 with CudaOptions::fused_experts
 // off, DIFFGEMMA_TEST_UNPACKED_EXPERTS=1 with CudaOptions::pack_expert_gate_up / pack_expert_down off,
 // DIFFGEMMA_TEST_LAYER_GRAPH=1 with CudaOptions::whole_step_graph off, DIFFGEMMA_TEST_DENSE_TMA=1 with
-// CudaOptions::dense_tma on (=2: with clusters of 2), so every path stays covered.
+// CudaOptions::dense_tma on (=2: with clusters of 2), DIFFGEMMA_TEST_TWO_TOKEN_TILES=1 with
+// CudaOptions::expert_two_token_tiles on, so every path stays covered.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -32,6 +33,7 @@ inline dg::CudaOptions cuda_test_options() {
   o.fused_experts = !flag("DIFFGEMMA_TEST_UNFUSED_EXPERTS");
   o.pack_expert_gate_up = o.pack_expert_down = !flag("DIFFGEMMA_TEST_UNPACKED_EXPERTS");
   o.whole_step_graph = !flag("DIFFGEMMA_TEST_LAYER_GRAPH");
+  o.expert_two_token_tiles = flag("DIFFGEMMA_TEST_TWO_TOKEN_TILES");
   const char* dense = std::getenv("DIFFGEMMA_TEST_DENSE_TMA");
   o.dense_tma = dense != nullptr && (std::strcmp(dense, "1") == 0 || std::strcmp(dense, "2") == 0);
   if (o.dense_tma) o.dense_tma_cluster = std::strcmp(dense, "2") == 0 ? 2 : 1;
@@ -46,6 +48,7 @@ inline dg::CudaOptions cuda_test_options() {
     if (!o.fused_experts) std::fprintf(stderr, "[cuda tests] CudaOptions::fused_experts off\n");
     if (!o.pack_expert_gate_up) std::fprintf(stderr, "[cuda tests] expert weights unpacked (checkpoint layout)\n");
     if (!o.whole_step_graph) std::fprintf(stderr, "[cuda tests] CudaOptions::whole_step_graph off\n");
+    if (o.expert_two_token_tiles) std::fprintf(stderr, "[cuda tests] CudaOptions::expert_two_token_tiles on\n");
     if (o.dense_tma) std::fprintf(stderr, "[cuda tests] CudaOptions::dense_tma on, clusters of %d\n", o.dense_tma_cluster);
     return true;
   }();

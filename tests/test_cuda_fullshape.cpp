@@ -174,6 +174,47 @@ TEST(CudaFullShape, MatchesHfTransformers) {
   for (const char* run : {"bf16", "f32"}) compare_case(ref, run, "commit", out, L, V, floor("commit"), cond);
 }
 
+// CudaOptions::expert_two_token_tiles against the default on a canvas of 4 distinct tokens (64 copies each), where the
+// experts pass 32 and 64 rows: their slots 32-63 then come from the fused launch's second token tile instead of the
+// overflow kernels (and rows past 64 from the overflow kernels either way). The same math in another order, so the
+// logits must agree to bf16 noise: cosine >= 0.9999 and argmax on >= 99% of the rows.
+TEST(CudaFullShape, ExpertTwoTokenTilesMatchOneTile) {
+  const char* dir_env = std::getenv("DIFFGEMMA_FULLSHAPE_DIR");
+  if (!dir_env || !*dir_env)
+    GTEST_SKIP() << "set DIFFGEMMA_FULLSHAPE_DIR (tools/reference/make_fullshape_fixture.py output)";
+  auto info = cuda::query_device(0);
+  if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
+  const std::string dir = dir_env;
+  auto model = load_model(dir);
+  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
+  auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
+  auto canvas = cased["canvas1"].get<std::vector<int32_t>>();
+  for (size_t i = 0; i < canvas.size(); ++i) canvas[i] = canvas[i % 4];
+  const int L = int(canvas.size()), V = model->config.vocab_size;
+  std::vector<DenoiseResult> outs(2);
+  for (bool two : {false, true}) {
+    CudaOptions opt = cuda_test_options();
+    opt.max_context = int64_t(prompt.size() + canvas.size());
+    opt.progress = false;
+    opt.expert_two_token_tiles = two;
+    auto gpu = make_cuda_backend(*model, opt);
+    gpu->prefill(prompt);
+    DenoiseRequest req;
+    req.canvas = canvas;
+    req.temperature = 0.8f;
+    req.want_logits = true;
+    gpu->denoise(req, outs[two]);
+  }
+  ASSERT_EQ(outs[0].logits.size(), size_t(L) * V);
+  ASSERT_EQ(outs[1].logits.size(), size_t(L) * V);
+  int agree = 0;
+  for (int r = 0; r < L; ++r) agree += outs[0].rows[size_t(r)].argmax == outs[1].rows[size_t(r)].argmax;
+  const double c = cosine(outs[0].logits, outs[1].logits);
+  std::printf("[fullshape] two token tiles vs one, 4 distinct canvas tokens: cosine %.7f, argmax %d/%d\n", c, agree, L);
+  EXPECT_GE(c, 0.9999);
+  EXPECT_GE(double(agree) / L, 0.99);
+}
+
 }  // namespace
 }  // namespace dg
 #endif  // DIFFGEMMA_WITH_CUDA

@@ -10,6 +10,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu_ops.h"
@@ -943,6 +944,28 @@ std::vector<int32_t> random_routing(int T, int E, int k) {
   return idx;
 }
 
+// A routing concentrated as a canvas of `distinct` repeated tokens routes: token t takes the k experts of base token
+// t % distinct (k distinct random ones, never expert 1 when E > k + 1). Expert 0 is among the first four base
+// tokens' experts and expert 2 among the first five (E > k + 2), so that at T = 16 distinct expert 0 gets exactly
+// 64 rows and expert 2 80 (past 64: overflow rows).
+std::vector<int32_t> concentrated_routing(int T, int E, int k, int distinct) {
+  std::vector<int32_t> base(size_t(distinct) * k);
+  for (int b = 0; b < distinct; ++b) {
+    std::vector<int32_t> pool;
+    for (int e = 0; e < E; ++e)
+      if ((e != 1 || E <= k + 1) && !(E > k + 2 && ((e == 0 && b < 4) || (e == 2 && b < 5)))) pool.push_back(e);
+    std::shuffle(pool.begin(), pool.end(), rng);
+    int j = 0;
+    if (E > k + 2 && b < 4) base[size_t(b) * k + j++] = 0;
+    if (E > k + 2 && b < 5) base[size_t(b) * k + j++] = 2;
+    for (size_t i = 0; j < k; ++i) base[size_t(b) * k + j++] = pool[i];
+  }
+  std::vector<int32_t> idx(size_t(T) * k);
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < k; ++j) idx[size_t(t) * k + j] = base[size_t(t % distinct) * k + j];
+  return idx;
+}
+
 // The TMA expert kernels' maps: gate_up weights, padded token rows xs, down weights, padded activations act.
 struct TmaExpertMaps {
   TmaMap wgu, xm, wdn, am;
@@ -1081,12 +1104,14 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
   REQUIRE_GPU();
   constexpr int M = 32;
   Gemm gemm;
-  for (auto [T, E, k, H, I] : {std::tuple{256, 128, 8, 2816, 704}, std::tuple{20, 5, 2, 256, 64},
-                               std::tuple{100, 3, 1, 384, 128},
-                               std::tuple{50, 7, 3, 128, 192}}) {
+  for (auto [T, E, k, H, I, distinct] :
+       {std::tuple{256, 128, 8, 2816, 704, 0}, std::tuple{20, 5, 2, 256, 64, 0}, std::tuple{100, 3, 1, 384, 128, 0},
+        std::tuple{50, 7, 3, 128, 192, 0},
+        // a concentrated routing: experts of 16 to 80 rows (the fused launch's second token tile, its overflow)
+        std::tuple{256, 128, 8, 2816, 704, 16}}) {
     if (!experts_tma_supported(M, H, I)) GTEST_SKIP() << "the TMA expert kernels need an sm_90 GPU (sm_90a image)";
     auto x = rnd(size_t(T) * H), gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
-    auto idx = random_routing(T, E, k);
+    auto idx = distinct > 0 ? concentrated_routing(T, E, k, distinct) : random_routing(T, E, k);
     const size_t rows = size_t(E) * M + idx.size();
     Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), xs(rows * H), act(rows * I), act2(rows * I);
     Dev<bf16> act3(rows * I), act4(rows * I), act5(rows * I), act6(rows * I), act7(rows * I), act8(rows * I);
@@ -1369,6 +1394,121 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
       EXPECT_TRUE(same(a1, act_b.get())) << "fused, bf16 y: act, " << what;
       expect_bf16_rounding(yf1, y_b.get(), "fused, bf16 y, " + what);
       expect_bf16_rounding(y1, y_db.get(), "down, bf16 y, " + what);
+    }
+    {  // Two token tiles an expert (TmaExpertsPlan::two_token_tiles): the layout of kFusedExpertRows rows an expert
+      constexpr int MF = kFusedExpertRows;
+      const size_t rows_f = size_t(E) * MF + idx.size();
+      const TmaExpertsPlan two{.tile_counters = fused_ctr.p, .two_token_tiles = true};
+      Dev<bf16> act_t1(rows_f * I), act_t2(rows_f * I), act_t3(rows_f * I), act_ttl(rows_f * I);
+      Dev<float> y_t1(rows_f * H), y_t2(rows_f * H), y_t3(rows_f * H), y_ttl(rows_f * H);
+      Dev<bf16> y_t16(rows_f * H);
+      auto with = [&](TmaExpertsPlan p) {
+        p.tile_counters = fused_ctr.p, p.two_token_tiles = true;
+        return p;
+      };
+      // The default grid (blocks' first tiles of experts past 32 rows run once per token tile), 7 blocks of 5 stages
+      // (tiles mostly claimed: two-tile instances), both weight sets packed with the first tiles permuted.
+      moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_t1.p, y_t1.p, nullptr, two);
+      moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_t2.p, y_t2.p, nullptr,
+                                   with({.grid = 7, .stages = 5}));
+      moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_t3.p, y_t3.p, nullptr,
+                                   with({.stages = 4, .first_tile_stride = 5, .gate_up_packed = dgu_pk.p,
+                                         .down_packed = ddn_pk.p}));
+      moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_ttl.p, y_t16.p, nullptr, two);
+      experts_timeline_begin(size_t(1) << 16);
+      moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_ttl.p, y_ttl.p, nullptr,
+                                   with({.stages = 3}));
+      const auto timeline = experts_timeline_end();
+      const auto at1 = act_t1.get(), at2 = act_t2.get(), at3 = act_t3.get(), attl = act_ttl.get();
+      const auto yt1 = y_t1.get(), yt2 = y_t2.get(), yt3 = y_t3.get(), yttl = y_ttl.get();
+      // In the 32-row layout: row e 32 + t (t < 32) from row e MF + t, every other row the poison of an unwritten
+      // buffer; so slots below 32 must be the one-tile launch's bit for bit.
+      auto as_m32 = [&](const auto& f, int width) {
+        using V = std::decay_t<decltype(f[0])>;
+        std::vector<V> v(rows * size_t(width));
+        std::memset(static_cast<void*>(v.data()), 0xff, v.size() * sizeof(V));
+        for (int e = 0; e < E; ++e)
+          std::memcpy(static_cast<void*>(&v[size_t(e) * M * width]), &f[size_t(e) * MF * width],
+                      size_t(M) * width * sizeof(V));
+        return v;
+      };
+      EXPECT_TRUE(same(af1, as_m32(at1, I))) << "two token tiles: act slots < 32, " << what;
+      EXPECT_TRUE(same(yf1, as_m32(yt1, H))) << "two token tiles: y slots < 32, " << what;
+      EXPECT_TRUE(same(at1, at2) && same(yt1, yt2)) << "two token tiles, 7 blocks of 5 stages, " << what;
+      EXPECT_TRUE(same(at1, at3) && same(yt1, yt3)) << "two token tiles, packed, first tiles permuted, " << what;
+      EXPECT_TRUE(same(at1, attl) && same(yt1, yttl)) << "two token tiles, tile timeline on, " << what;
+      expect_bf16_rounding(yt1, y_t16.get(), "two token tiles, bf16 y, " + what);
+      EXPECT_EQ(fused_ctr.get(), std::vector<unsigned>(2 + size_t(E), 0u)) << "fused counters not left zeroed, " << what;
+      // Slots 32 .. min(rows, MF) - 1 against the CPU double reference; slots past an expert's rows never written;
+      // the timeline: a block's first tile of an expert past 32 rows twice, every other tile with rows once.
+      const auto hxb = from_bf16(to_bf16(x));  // the bf16 token rows the kernels read
+      const auto hat = from_bf16(at1);
+      std::vector<float> got_a2, want_a2, got_y2, want_y2;
+      int64_t unwritten_bad = 0;
+      int second_tile_experts = 0;
+      const int words = (T + 31) / 32, n_gate = E * (I / 64), n_tiles = n_gate + E * (H / 128);
+      int sms = 0;
+      CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+      const int grid = std::min(n_gate, 3 * sms);
+      std::vector<int> seen(size_t(n_tiles), 0);
+      for (const auto& r : timeline)
+        if (r.tile >= 0 && r.tile < n_tiles) ++seen[size_t(r.tile)];
+      for (int e = 0; e < E; ++e) {
+        std::vector<int> toks;  // the expert's tokens in ascending order: its slots
+        for (int t = 0; t < T; ++t)
+          if (host_masks[size_t(e) * words + t / 32] >> (t % 32) & 1u) toks.push_back(t);
+        const int n = std::min(int(toks.size()), MF);
+        second_tile_experts += n > M;
+        if (n > 0) {
+          for (int nt = 0; nt < I / 64; ++nt) {
+            const int tile = e * (I / 64) + nt;
+            EXPECT_EQ(tile < grid && n > M ? 2 : 1, seen[size_t(tile)]) << "gate_up tile " << e << " " << nt;
+          }
+          for (int nt = 0; nt < H / 128; ++nt) EXPECT_EQ(1, seen[size_t(n_gate + e * (H / 128) + nt)]) << e;
+        }
+        for (int t = 0; t < MF; ++t) {
+          const size_t row = size_t(e) * MF + t;
+          if (t >= n) {
+            for (int i = 0; i < I; ++i) {
+              uint16_t b;
+              std::memcpy(&b, &at1[row * I + i], 2);
+              unwritten_bad += b != 0xFFFF;
+            }
+            for (int h = 0; h < H; ++h) {
+              uint32_t b;
+              std::memcpy(&b, &yt1[row * H + h], 4);
+              unwritten_bad += b != 0xFFFFFFFFu;
+            }
+            continue;
+          }
+          if (t < M || (E >= 64 && e % 4 != 0 && e > 2)) continue;  // (at the real shape: every 4th expert, 0, 2)
+          const float* xr = &hxb[size_t(toks[size_t(t)]) * H];
+          for (int i = 0; i < I; ++i) {
+            double gg = 0, u = 0;
+            for (int h = 0; h < H; ++h) {
+              gg += double(xr[h]) * gu[(size_t(e) * 2 * I + i) * H + h];
+              u += double(xr[h]) * gu[(size_t(e) * 2 * I + I + i) * H + h];
+            }
+            want_a2.push_back(float(double(cpu::gelu_tanh(float(gg))) * u));
+            got_a2.push_back(hat[row * I + i]);
+          }
+          for (int h = 0; h < H; ++h) {
+            double acc = 0;
+            for (int i = 0; i < I; ++i) acc += double(hat[row * I + i]) * dn[(size_t(e) * H + h) * I + i];
+            want_y2.push_back(float(acc));
+            got_y2.push_back(yt1[row * H + h]);
+          }
+        }
+      }
+      EXPECT_EQ(unwritten_bad, 0) << "two token tiles: slots past an expert's rows written, " << what;
+      if (distinct > 0 || E == 3) {
+        EXPECT_GT(second_tile_experts, 0) << "no expert past 32 rows, " << what;
+        ASSERT_FALSE(want_a2.empty()) << what;
+      }
+      if (!want_a2.empty()) {
+        EXPECT_LE(rel_err(got_a2, want_a2), 1e-2) << "two token tiles: gate_up, slots 32-63, vs CPU, " << what;
+        EXPECT_LE(rel_err(got_y2, want_y2), 1e-3) << "two token tiles: down, slots 32-63, vs CPU, " << what;
+      }
     }
     if (E == 3) {
       EXPECT_GT(overflow, 0) << "the case meant to overflow does not";

@@ -59,6 +59,7 @@ struct BenchArgs {
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1, claim_ahead = 3, first_stride = 1;
   int tma_stages = 3;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
+  int expert_token_tiles = 1;  // 2: CudaOptions::expert_two_token_tiles
   bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false,
        overflow_on_side = false, dense_down_side_plan = false, f32_expert_rows = false, dense_tma = false;
   int dense_tma_cluster = 1;  // CudaOptions::dense_tma_cluster
@@ -184,6 +185,7 @@ int run_bench(const BenchArgs& args) {
   opt.tma_experts_claim_ahead = args.claim_ahead;
   opt.tma_experts_first_stride = args.first_stride;
   opt.fused_experts = !args.no_fused_experts;
+  opt.expert_two_token_tiles = args.expert_token_tiles == 2;
   opt.pack_expert_gate_up = !args.no_pack_gate_up;
   opt.pack_expert_down = !args.no_pack_down;
   opt.dense_down_last = !args.dense_down_first;
@@ -247,6 +249,7 @@ int run_bench(const BenchArgs& args) {
   out["expert_claim_ahead"] = args.claim_ahead;
   out["expert_first_stride"] = args.first_stride;
   out["fused_experts"] = !args.no_fused_experts;
+  out["expert_token_tiles"] = args.expert_token_tiles;
   out["pack_expert_gate_up"] = !args.no_pack_gate_up;
   out["pack_expert_down"] = !args.no_pack_down;
   out["dense_down_last"] = !args.dense_down_first;
@@ -599,6 +602,12 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "L2 promotion in bytes (0, 128, 256) of the TMA expert kernels' weight maps "
                                       "(CudaOptions::tma_weight_l2_promotion)")
                            ->check(CLI::IsMember({0, 128, 256}));
+                       sub.add_option("--expert-token-tiles", a->expert_token_tiles,
+                                      "token tiles of 32 rows an expert in the fused expert launch: 2 serves up to "
+                                      "64 rows an expert with its weights read once (concentrated routing; "
+                                      "CudaOptions::expert_two_token_tiles), 1 (default) sends rows past 32 to the "
+                                      "overflow kernels")
+                           ->check(CLI::IsMember({1, 2}));
                        sub.add_flag("--no-fused-experts", a->no_fused_experts,
                                     "A/B: gate_up then a separate down GEMM (cuBLASLt, or the TMA kernel on packed "
                                     "weights) instead of one persistent TMA launch (CudaOptions::fused_experts)");

@@ -250,7 +250,8 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
   unsigned* masks = ar.take<unsigned>(cuda::expert_mask_words(T, E));
   int32_t* idx = ar.take<int32_t>(size_t(T) * K);
   float* wk = ar.take<float>(size_t(T) * K);
-  const size_t rows_all = size_t(E) * M + size_t(T) * K;
+  // room for the fused expert launch's layout too (cuda::kFusedExpertRows an expert)
+  const size_t rows_all = size_t(E) * std::max(M, cuda::kFusedExpertRows) + size_t(T) * K;
   int32_t *ovf = ar.take<int32_t>(size_t(E) + 1), *spos = ar.take<int32_t>(size_t(T) * K);
   int32_t *meta = ar.take<int32_t>(2 * size_t(E) + 1), *slot = ar.take<int32_t>(size_t(E) * M);
   const double router_bytes = double(T) * H * 4 + double(E) * H * 4;

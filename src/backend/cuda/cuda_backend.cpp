@@ -967,12 +967,13 @@ class CudaBackend final : public Backend {
     // Canvas-sized passes (denoise, commit): experts padded to M rows as one strided-batched cuBLASLt GEMM each
     // (weights stream at ~4.1 instead of ~3.4 TB/s); the rare rows past M go through the grouped kernels.
     const bool padded_ok = opt_.padded_experts && T <= cfg_.canvas_length;
-    const int M = padded_ok ? cuda::moe_padded_rows_per_expert(T, K, E) : 0;
+    const int M_tile = padded_ok ? cuda::moe_padded_rows_per_expert(T, K, E) : 0;
     // TMA gate_up (CudaOptions::tma_experts); its maps were built for the canvas's M (32). With
     // CudaOptions::tma_gather_rows it reads each expert's token rows from xe itself (slot_token), so no gather
     // kernel stands between the assignment and the experts; only the rare overflow rows are gathered, on the
     // overflow GEMMs' stream.
-    const bool tma = padded_ok && use_tma_experts_ && M == cuda::moe_padded_rows_per_expert(cfg_.canvas_length, K, E);
+    const bool tma =
+        padded_ok && use_tma_experts_ && M_tile == cuda::moe_padded_rows_per_expert(cfg_.canvas_length, K, E);
     // Packed expert weights (CudaOptions::pack_expert_gate_up / _down) are read by the TMA and the grouped kernels
     // only: a padded pass that cannot take the TMA path (cuBLASLt's GEMMs read the checkpoint layout) runs grouped.
     const bool padded = padded_ok && (tma || (!L.gu_packed && !L.dn_packed));
@@ -992,6 +993,10 @@ class CudaBackend final : public Backend {
                                    ? cuda::ExpertRows(reinterpret_cast<bf16*>(s_.y))
                                    : cuda::ExpertRows(s_.y);
     const bool fused_experts = masked && opt_.fused_experts && opt_.dynamic_expert_tiles;
+    // Padded rows an expert: with CudaOptions::expert_two_token_tiles the fused launch serves two token tiles an
+    // expert (cuda::kFusedExpertRows), so only an expert's rows past 64 (not 32) go through the overflow kernels.
+    const bool two_token_tiles = fused_experts && opt_.expert_two_token_tiles;
+    const int M = two_token_tiles ? cuda::kFusedExpertRows : M_tile;
     // Packed down weights leave the TMA kernel (or the fused launch) as down's only padded path.
     const bool down_tma = tma && !fused_experts && (opt_.tma_experts_down || L.dn_packed);
     const bool down_cublas = !down_tma && !fused_experts;
@@ -1005,7 +1010,8 @@ class CudaBackend final : public Backend {
         .claim_ahead = opt_.tma_experts_claim_ahead,
         .first_tile_stride = opt_.tma_experts_first_stride,
         .gate_up_packed = L.gu_packed ? L.exp_gu : nullptr,
-        .down_packed = L.dn_packed ? L.exp_down : nullptr};
+        .down_packed = L.dn_packed ? L.exp_down : nullptr,
+        .two_token_tiles = two_token_tiles};
     if (overlap) {
       // CudaOptions::dense_down_last: the dense MLP's down GEMM goes on the side stream after the assignment and the
       // overflow rows (below). Its blocks need more shared memory than the expert kernel leaves an SM, so it cannot
@@ -1191,7 +1197,7 @@ class CudaBackend final : public Backend {
     s_.expert_tile_counters = ar.take<unsigned>(2 + E);  // + the fused experts' per-expert counts
     s_.wk = ar.take<float>(Tm * K);
     // expert rows: T k grouped, or E M padded + Lc k overflow for canvas-sized passes (moe_group_padded)
-    const size_t pad_rows = E * size_t(cuda::moe_padded_rows_per_expert(int(Lc), int(K), int(E))) + Lc * K;
+    const size_t pad_rows = E * size_t(padded_rows_capacity()) + Lc * K;
     const size_t exp_rows = std::max(Tm * K, pad_rows);
     s_.y = ar.take<float>(exp_rows * H);
     // Not in y's bytes: a bf16 y's overflow rows (past E M) would then overlap it when H < 4 Ie.
@@ -1213,7 +1219,7 @@ class CudaBackend final : public Backend {
     s_.sorted_pos = ar.take<int32_t>(Tm * K);
     s_.offsets = ar.take<int32_t>(E + 1);
     s_.moe_meta = ar.take<int32_t>(2 * E + 1);
-    s_.slot_token = ar.take<int32_t>(E * size_t(cuda::moe_padded_rows_per_expert(int(Lc), int(K), int(E))));
+    s_.slot_token = ar.take<int32_t>(E * size_t(padded_rows_capacity()));
     s_.stats = ar.take<cuda::DeviceRowStats>(Lc);
     s_.row_stats_scratch = ar.take<char>(cuda::softcap_row_stats_scratch_bytes(int(Lc), int(V)));
     s_.probs_scale = ar.take<float>(Lc);
@@ -1243,6 +1249,15 @@ class CudaBackend final : public Backend {
   Scratch s_{};
   bool gemm_attention_ = false;  // CudaOptions::gemm_attention
   int attn_ld_ = 0;              // the GEMM attention's S / P row length: most keys it takes, rounded up
+  // Padded rows an expert that the scratch holds room for: the canvas's (32) or, with two token tiles an expert, the
+  // fused expert launch's (64).
+  int padded_rows_capacity() const {
+    const int canvas = cuda::moe_padded_rows_per_expert(int(cfg_.canvas_length), int(cfg_.top_k_experts),
+                                                        int(cfg_.num_experts));
+    return opt_.padded_experts && opt_.fused_experts && opt_.expert_two_token_tiles
+               ? std::max(canvas, cuda::kFusedExpertRows)
+               : canvas;
+  }
   bool use_tma_experts_ = false;        // CudaOptions::tma_experts and experts_tma_supported at the canvas shape
   cuda::TmaMap xs_map_{}, acte_map_{};  // over the padded rows of s_.xs / s_.acte (box M rows)
   int32_t* host_ids_ = nullptr;

@@ -186,6 +186,12 @@ struct CudaOptions {
   // wait for its end; docs/BENCHMARKS.md, session 7); with both weight sets packed (below) it is 0.06-0.2 ms faster
   // (369.9 vs 374.9 us a layer alone; session 10).
   bool fused_experts = true;
+  // The fused expert launch serves up to 64 rows an expert (two token tiles over the same staged weights) instead of
+  // 32, so that only rows past 64 go through the overflow kernels, which read an expert's weights a second time
+  // (TmaExpertsPlan::two_token_tiles). A/B: bench --expert-token-tiles 2. With the bench's canvas of 16 / 4 / 1
+  // distinct tokens the 4K step took 15.59 / 16.03 / 16.02 ms against 16.12 / 17.59 / 18.28, but with a uniform random
+  // canvas (no expert past 32 rows) 0.2 ms longer (docs/BENCHMARKS.md, session 24): off by default.
+  bool expert_two_token_tiles = false;
   // L2 promotion (bytes: 0, 128, 256) of the TMA expert kernels' weight maps. A/B: bench --tma-l2-promotion. At 0
   // the TMA down kernel alone drops from 140.9 to 132.3 us (cuBLASLt's speed), gate_up rises 242.8 -> 247.8, and no
   // combination was faster per step than this default (docs/BENCHMARKS.md, session 8).

@@ -394,6 +394,9 @@ struct TmaExpertsPlan {
   // read. Bitwise the same results (the stages land in shared memory byte for byte as the 2D boxes do).
   const bf16* gate_up_packed = nullptr;
   const bf16* down_packed = nullptr;
+  // moe_experts_fused_tma_masked only: up to kFusedExpertRows (64) rows an expert in its launch instead of 32 (see
+  // there); its act / y then have that many padded rows an expert.
+  bool two_token_tiles = false;
 };
 // Whether expert weights of these shapes have a packed layout (expert_layout.h): gate_up needs H and I multiples of
 // 64, down H a multiple of 128 and I of 64.
@@ -430,8 +433,15 @@ void moe_down_padded_tma_masked(const TmaMap& w, const TmaMap& act, const unsign
 // the tiles of both come from one counter, gate_up's first, so blocks that run out of gate_up tiles go on to down
 // tiles instead of idling through gate_up's last round and the launch gap before a separate down GEMM. A down tile of
 // expert e waits until all of e's gate_up tiles are stored (per-expert counts, release / acquire); it is handed out
-// only after every gate_up tile, so the wait is short and cannot deadlock. Bitwise the same act and y as the two
-// kernels. plan.tile_counters: 2 + E zeroed unsigneds, left zeroed.
+// only after every gate_up tile, so the wait is short and cannot deadlock. plan.tile_counters: 2 + E zeroed
+// unsigneds, left zeroed.
+// With plan.two_token_tiles its padded layout has kFusedExpertRows (64) rows an expert, not 32: slot t of expert e is
+// row e 64 + t of act and y, for t < min(tokens of e, 64) (moe_assign_padded with M = kFusedExpertRows gives the same
+// slots, and the overflow rows past them). An expert with more than 32 rows takes a second token tile over the same
+// staged weights, so its weights are still read once (the overflow kernels would read them again). Slots below 32 are
+// bitwise the two kernels' rows; slots 32-63 are computed the same way, in the same k order. Its one-tile path is a
+// little slower (~3 us a layer at the canvas shape), so it pays only where experts pass 32 rows (concentrated routing).
+constexpr int kFusedExpertRows = 64;
 void moe_experts_fused_tma_masked(const TmaMap& w_gate_up, const TmaMap& w_down, const bf16* x,
                                   const unsigned* expert_masks, int T, int E, int H, int I, bf16* act, ExpertRows y,
                                   cudaStream_t s, const TmaExpertsPlan& plan = {});

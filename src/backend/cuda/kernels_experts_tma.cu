@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -57,11 +58,14 @@ __device__ unsigned g_etl_n = 0, g_etl_cap = 0;
 ExpertsTimelineRecord* g_etl_buf = nullptr;
 unsigned g_etl_buf_cap = 0;
 
-constexpr int kTok = 32;                          // padded token rows per expert (M of moe_group_padded)
+constexpr int kTok = 32;                          // token rows of a token tile (one wgmma N; M of moe_group_padded)
 constexpr int kBK = 64;                           // k per stage: 64 bf16 = 128 B, one 128B-swizzle row
 constexpr int kWBoxBytes = 64 * kBK * 2;          // 8192: 64 weight rows
-constexpr int kXBoxBytes = kTok * kBK * 2;        // 4096: the expert's token rows
+constexpr int kXBoxBytes = kTok * kBK * 2;        // 4096: a token tile's rows
 constexpr int kStageBytes = 2 * kWBoxBytes + kXBoxBytes;
+// The fused launch serves kFusedExpertRows (cuda_kernels.h) rows an expert as two token tiles of kTok over the same
+// staged weights, so an expert's weights are read once for up to 64 tokens (see the kernel).
+static_assert(kFusedExpertRows == 2 * kTok, "the consumer's second accumulator set serves exactly one more token tile");
 constexpr int kThreads = 160;
 // Two blocks per SM of 4 (80 KB each) or 5 stages (100 KB), or three of 3 (60 KB), when the kernel has the GPU;
 // one block per SM of 8 stages (160 KB: no second block fits, so a grid of n blocks stays on n SMs) when it leaves
@@ -121,13 +125,27 @@ __device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
 // the other stream) take fewer tiles instead of finishing late. The last block to finish zeroes tile_ctr again.
 // Tiles of experts without rows are skipped either way (after the first). Each tile is still computed by one block
 // in the fixed k order, so results do not depend on which block takes it.
+// FUSED with TWO serves up to kFusedExpertRows = 64 rows an expert, slot t in row e 64 + t of act and y (without TWO:
+// 32, in row e 32 + t, as the other kernels; rows past them are the overflow kernels'): an expert with more
+// than 32 rows runs each of its tiles as one instance over two token tiles, every k slice taking two ring uses (the
+// weights and token tile 0's box in the first, token tile 1's box in the second's) and the consumer a second
+// accumulator set over the same staged weights, so those weights are still read once. A block's first tile is the
+// exception: its first stages were requested (one use a slice) before the row counts were known, so when its expert
+// has more than 32 rows it runs again for token tile 1, re-reading the weights. The per-expert done count is bumped
+// by a tile's last instance only. Either way each output column is one token row's dot products in the fixed k order:
+// the same bits whichever block or instance computes it.
 // With GATHER and masks (router_top_k's expert_masks, mask_words = ceil(T / 32) <= 32 words an expert): an expert's
 // tokens are the set bits of its mask in ascending order (the token order moe_assign_padded's slots have), its row
-// count their number capped at 32; rows and slot_token are not read. The producer lanes hold one mask word each and
+// count their number capped at 32 (TWO: 64); rows and slot_token are not read. The producer lanes hold one mask word each and
 // find their slot's token with a prefix count, so no assignment kernel stands between the router and gate_up.
 
+// TWO (FUSED only; TmaExpertsPlan::two_token_tiles): up to kFusedExpertRows rows an expert, see above. Its second
+// accumulator set takes ~106 registers a thread (the others ~70), which still leaves room for the 256-thread
+// assignment (moe_assign_k, 40 registers) beside three blocks an SM as long as it stays at most 112. Its one-tile path
+// is ~3 us a layer slower than this kernel without TWO (the registers, the extra branches): so it is a separate
+// instantiation, not the default.
 // TL: also the tile timeline (g_etl; its own instantiation, so the others keep their registers).
-template <bool GATED, int kStages, bool GATHER = false, bool FUSED = false, bool TL = false>
+template <bool GATED, int kStages, bool GATHER = false, bool FUSED = false, bool TL = false, bool TWO = false>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_tma_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                   const int32_t* __restrict__ rows, int E, int H, int I, bf16* __restrict__ act, void* __restrict__ y,
@@ -139,7 +157,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                   int first_stride) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
   static_assert(!FUSED || (GATED && GATHER), "the fused kernel is the gathered gate_up followed by down");
+  static_assert(!TWO || FUSED, "two token tiles an expert in the fused launch only");
 #if defined(DG_EXPERTS_TMA)
+  // kTT token tiles of kTok rows an expert (FUSED: two), its padded rows kRows apart in act and y.
+  constexpr int kTT = TWO ? 2 : 1, kRows = kTT * kTok;
   const int rows_per_expert = GATED ? 2 * I : H, tiles_n = GATED ? I / 64 : H / 128, K = GATED ? H : I;
   // FUSED: tiles [0, n_gate) are gate_up's (tmW), then E * H / 128 down tiles (tmX holds the down weights).
   const int n_gate = E * tiles_n, n_tiles = FUSED ? n_gate + E * (H / 128) : n_gate, nk = K / kBK;
@@ -177,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {
       for (int w = 0; w < mask_words; ++w) c += __popc(__ldcg(masks + size_t(e) * mask_words + w));
     }
-    return c < kTok ? c : kTok;
+    return c < kRows ? c : kRows;
   };
   // The block's first tile is run whatever its expert's row count: its first stages' weights are requested before
   // the row counts may be read (below), so both roles must consume them. An empty expert's first tile then costs one
@@ -255,11 +276,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t it = 0, pend = 0;
     bool have_pend = false;
     const int swz = (ln & 7) * 16;  // 128-byte swizzle: 16-byte chunk c of row ln sits at chunk c ^ (ln & 7)
-    // Expert e's rows (cnt, at most 32) and, with `token`, for lane ln the token of its slot ln (-1 past cnt).
-    auto slot_token_of = [&](int e, int& cnt, bool token) {
+    // Expert e's rows (cnt, at most kRows) and, with `token`, for lane ln the tokens of its slots ln + kTok j (-1
+    // past cnt).
+    auto slot_token_of = [&](int e, int& cnt, bool token, int (&tok)[kTT]) {
+#pragma unroll
+      for (int j = 0; j < kTT; ++j) tok[j] = -1;
       if (!masks) {
-        cnt = __ldcg(rows + e);
-        return token && ln < cnt ? __ldcg(slot_token + e * kTok + ln) : -1;
+        cnt = min(int(__ldcg(rows + e)), kRows);
+#pragma unroll
+        for (int j = 0; j < kTT; ++j)
+          if (token && ln + kTok * j < cnt) tok[j] = __ldcg(slot_token + e * kRows + ln + kTok * j);
+        return;
       }
       const unsigned word = ln < mask_words ? __ldcg(masks + size_t(e) * mask_words + ln) : 0u;
       const int pc = __popc(word);
@@ -269,19 +296,21 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int v = __shfl_up_sync(0xffffffffu, incl, o);
         if (ln >= o) incl += v;
       }
-      cnt = min(__shfl_sync(0xffffffffu, incl, 31), kTok);
-      if (!token) return -1;
-      int tok = -1;
-      for (int w = 0; w < mask_words; ++w) {  // the word that holds set bit number ln, then the bit
-        unsigned bits = __shfl_sync(0xffffffffu, word, w);
+      cnt = min(__shfl_sync(0xffffffffu, incl, 31), kRows);
+      if (!token) return;
+      for (int w = 0; w < mask_words; ++w) {  // the word that holds set bit number ln + kTok j, then the bit
+        const unsigned bits = __shfl_sync(0xffffffffu, word, w);
         const int before = __shfl_sync(0xffffffffu, incl - pc, w);
-        const int r = ln - before;
-        if (ln < cnt && r >= 0 && r < __popc(bits)) {
-          for (int i = 0; i < r; ++i) bits &= bits - 1u;
-          tok = w * 32 + __ffs(int(bits)) - 1;
+#pragma unroll
+        for (int j = 0; j < kTT; ++j) {
+          const int slot = ln + kTok * j, r = slot - before;
+          if (slot < cnt && r >= 0 && r < __popc(bits)) {
+            unsigned b = bits;
+            for (int i = 0; i < r; ++i) b &= b - 1u;
+            tok[j] = w * 32 + __ffs(int(b)) - 1;
+          }
         }
       }
-      return tok;
     };
     // The tile after `tile` (n_tiles or past: none left), by the stride or from the counter.
     auto next_tile = [&](int tile) {
@@ -293,21 +322,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     // What the producer needs of a tile before its first stage: its expert, its rows and this lane's source row,
     // and (down tiles) whether this lane has already seen the expert's gate_up complete (an acquire load: the lane's
     // cp.async reads of the activation rows come after it in program order).
+    // src_row[j] / src[j]: this lane's row of token tile j (slot ln + kTok j), -1 for a padding slot (zero-filled).
     struct TileInfo {
-      int tile, e, cnt, src_row;
-      const bf16* src;
+      int tile, e, cnt, src_row[kTT];
+      const bf16* src[kTT];
       bool down, done;
     };
     auto prepare = [&](int tile) {
-      TileInfo t{tile, 0, 0, -1, nullptr, false, true};
+      TileInfo t{tile, 0, 0, {}, {}, false, true};
+#pragma unroll
+      for (int j = 0; j < kTT; ++j) t.src_row[j] = -1, t.src[j] = nullptr;
       if (tile >= n_tiles) return t;
       t.e = expert_of(tile);
       t.down = is_down(tile);
       // A down tile's rows are the expert's own act rows, slot ln in row ln: only the count is wanted.
-      const int tok = slot_token_of(t.e, t.cnt, !t.down);
-      t.src_row = t.down ? (ln < t.cnt ? ln : -1) : tok;  // -1: a padding slot, zero-filled
-      t.src = t.down ? act + (size_t(t.e) * kTok + size_t(t.src_row >= 0 ? t.src_row : 0)) * size_t(I)
-                     : xg + (tok >= 0 ? size_t(tok) * size_t(H) : 0);
+      int tok[kTT];
+      slot_token_of(t.e, t.cnt, !t.down, tok);
+#pragma unroll
+      for (int j = 0; j < kTT; ++j) {
+        const int slot = ln + kTok * j;
+        t.src_row[j] = t.down ? (slot < t.cnt ? slot : -1) : tok[j];
+        t.src[j] = t.down ? act + (size_t(t.e) * kRows + size_t(t.src_row[j] >= 0 ? t.src_row[j] : 0)) * size_t(I)
+                          : xg + (tok[j] >= 0 ? size_t(tok[j]) * size_t(H) : 0);
+      }
       if (t.down && t.cnt > 0) {
         unsigned v;
         asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(expert_done + t.e) : "memory");
@@ -328,10 +365,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int ahead = claim_ahead > 1 ? claim_ahead : 1;
     // The block's first tile runs even without rows (its first stages' weights were requested before the wait).
     TileInfo cur = first < n_tiles ? prepare(first) : claim_after(first);
+    // A tile is run as one instance over token tiles j0 .. j0 + ntt - 1 (tile_instance): ntt = 2 for an expert with
+    // more than kTok rows (FUSED), each k slice then taking two ring uses, the weights and token tile 0 in the first,
+    // token tile 1 in the second's token box. The block's first tile cannot: its first stages were requested as one use
+    // a slice before the row counts were known; when its expert has more than kTok rows it runs again for token tile 1
+    // (j0 = 1), re-reading its weights (first tiles only).
+    bool first_instance = first < n_tiles;
+    int j0 = 0;
     while (cur.tile < n_tiles) {
-      const int tile = cur.tile, e = cur.e, cnt = cur.cnt, src_row = cur.src_row;
+      const int tile = cur.tile, e = cur.e, cnt = cur.cnt;
       const bool down = cur.down;
-      const bf16* const src = cur.src;
+      const int ntt = kTT > 1 && j0 == 0 && cnt > kTok && !first_instance ? 2 : 1;
+      const bool again = kTT > 1 && j0 == 0 && ntt == 1 && cnt > kTok;  // token tile 1 in an instance of its own
       int row_a, row_b;
       weight_rows(tile, row_a, row_b);
       if (down && cnt > 0 && !__all_sync(0xffffffffu, cur.done)) {
@@ -346,40 +391,55 @@ __global__ void __launch_bounds__(kThreads, 1)
           have_pend = false;
         }
         wait_count(expert_done + e, gate_done);
+        cur.done = true;  // (a second instance of the tile needs no second wait)
       }
       const int tile_nk = slices_of(tile);
       const int claim_at = tile_nk > ahead ? tile_nk - ahead : 0;
-      TileInfo nxt{n_tiles, 0, 0, -1, nullptr, false, true};  // set at kt == claim_at
-      for (int kt = 0; kt < tile_nk; ++kt, ++it) {
-        const int s = int(it % kStages);
-        const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
-        if (!(tile == first && kt < npre)) {  // else: stage kt of the fresh ring, its weights already requested
-          mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
-          if (leader) issue_weights(st, full, tile, kt, row_a, row_b, kWBytes, evict_first, down);
-        }
-        if (leader && kt == 0) {  // before the leader's lane arrival, which every phase of the stage waits for
-          st_shared_s32(slot0 + 8 * s, tile);
-          st_shared_s32(slot0 + 8 * s + 4, cnt);
-        }
-        const uint32_t xrow = st + 2 * kWBoxBytes + uint32_t(ln) * 128u;
-        const bf16* srow = src + size_t(kt) * kBK;
+      TileInfo nxt = prepare(n_tiles);  // none; set at kt == claim_at (in the tile's last instance)
+      // This instance's token tiles' sources (selects, not a dynamic index: the arrays stay in registers).
+      const bf16* const src_a = kTT > 1 && j0 > 0 ? cur.src[kTT - 1] : cur.src[0];
+      const bf16* const src_b = cur.src[kTT - 1];
+      const uint32_t bytes_a = (kTT > 1 && j0 > 0 ? cur.src_row[kTT - 1] : cur.src_row[0]) >= 0 ? 16u : 0u;
+      const uint32_t bytes_b = cur.src_row[kTT - 1] >= 0 ? 16u : 0u;
+      for (int kt = 0; kt < tile_nk; ++kt) {
+        for (int jj = 0; jj < ntt; ++jj, ++it) {
+          const int s = int(it % kStages);
+          const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
+          if (!(first_instance && kt < npre)) {  // else: stage kt of the fresh ring, its weights already requested
+            mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
+            if (leader && jj == 0) issue_weights(st, full, tile, kt, row_a, row_b, kWBytes, evict_first, down);
+            if (leader && jj == 1) mbar_arrive(full);  // a token-only use: the leader's arrival carries no bytes
+          }
+          if (leader && kt == 0 && jj == 0) {  // before the leader's lane arrival, which every phase of the stage waits for
+            st_shared_s32(slot0 + 8 * s, tile);
+            st_shared_s32(slot0 + 8 * s + 4, cnt | (j0 << 8) | (ntt << 12));
+          }
+          const uint32_t xrow = st + 2 * kWBoxBytes + uint32_t(ln) * 128u;
+          const bf16* srow = (jj == 0 ? src_a : src_b) + size_t(kt) * kBK;  // use jj: token tile j0 + jj
+          const uint32_t bytes = jj == 0 ? bytes_a : bytes_b;
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          const uint32_t dst = xrow + (uint32_t(c * 16) ^ uint32_t(swz));
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(srow + c * 8),
-                       "r"(src_row >= 0 ? 16 : 0)
-                       : "memory");
+          for (int c = 0; c < 8; ++c) {
+            const uint32_t dst = xrow + (uint32_t(c * 16) ^ uint32_t(swz));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(srow + c * 8), "r"(bytes)
+                         : "memory");
+          }
+          asm volatile("cp.async.commit_group;\n" ::: "memory");
+          if (have_pend) {  // the previous stage's rows have landed: make them visible to wgmma, then arrive
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            mbar_arrive(pend);
+          }
+          pend = full, have_pend = true;
         }
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
-        if (have_pend) {  // the previous stage's rows have landed: make them visible to wgmma, then arrive
-          asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-          mbar_arrive(pend);
-        }
-        pend = full, have_pend = true;
-        if (kt == claim_at) nxt = claim_after(tile);
+        if (kt == claim_at && !again) nxt = claim_after(tile);
       }
-      cur = nxt;
+      first_instance = false;
+      if (again) {
+        j0 = 1;
+      } else {
+        j0 = 0;
+        cur = nxt;
+      }
     }
     if (have_pend) {
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -504,14 +564,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   // blockIdx.x when there is one); -1 ends. Else the fixed stride, skipping experts without rows after the first tile.
   int tile = first < n_tiles ? first : n_tiles;
   for (;;) {
-    int cnt;
+    int cnt, j0 = 0, ntt = 1;  // the instance's token tiles j0 .. j0 + ntt - 1 (the producer's tile_instance)
     const unsigned long long etl_req = etl ? etl_now() : 0;
     if constexpr (GATHER) {
       const int s = int(it % kStages);
       mbar_wait(full0 + 8 * s, (it / kStages) & 1u);
       tile = ld_shared_s32(slot0 + 8 * s);
       if (tile < 0) break;
-      cnt = ld_shared_s32(slot0 + 8 * s + 4);
+      const int word = ld_shared_s32(slot0 + 8 * s + 4);
+      cnt = word & 0xFF;
+      if constexpr (kTT > 1) j0 = (word >> 8) & 0xF, ntt = word >> 12;
     } else {
       if (tile >= n_tiles) break;
       cnt = rows_of(tile / tiles_n, true);  // .cg: L2, never a stale L1 / non-coherent line of a grid we overlapped
@@ -522,50 +584,88 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const bool down = is_down(tile);
     const int e = expert_of(tile), nt = down ? (tile - n_gate) % down_tiles_n : tile % tiles_n;
-    float d0[16], d1[16];  // tile rows 0-63 (gate / first half) and 64-127 (up / second half)
+    // Token tile j0: d0 = tile rows 0-63 (gate / first half), d1 = rows 64-127 (up / second half); FUSED with
+    // ntt = 2: d2 / d3 the same for token tile 1 (slots 32-63), its rows in the token box of each slice's second use.
+    float d0[16], d1[16], d2[16], d3[16];
+    const bool two = kTT > 1 && ntt == 2;
 #pragma unroll
     for (int i = 0; i < 16; ++i) d0[i] = 0.f, d1[i] = 0.f;
+    if (two)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) d2[i] = 0.f, d3[i] = 0.f;
     const unsigned long long etl_t0 = etl ? etl_now() : 0;
     const int tile_nk = slices_of(tile);
-    for (int kt = 0; kt < tile_nk; ++kt, ++it) {
-      const int s = int(it % kStages);
-      if (!(GATHER && kt == 0)) mbar_wait(full0 + 8 * s, (it / kStages) & 1u);  // GATHER: waited for above
-      __syncwarp();  // wgmma is .sync.aligned
-      const uint32_t st = base + uint32_t(s) * kStageBytes;
-      const uint64_t da = desc_sw128(st), db = desc_sw128(st + kWBoxBytes), dx = desc_sw128(st + 2 * kWBoxBytes);
-      fence_acc(d0), fence_acc(d1);
-      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    // The slices' loop, one instantiation a token tile count: a one-tile instance runs the loop of a kernel without
+    // the second tile (no fences or branches for d2 / d3 on its path).
+    auto run_slices = [&](auto two_tiles) {
+      constexpr bool kTwo = decltype(two_tiles)::value;
+      for (int kt = 0; kt < tile_nk; ++kt, it += kTwo ? 2 : 1) {
+        const int s = int(it % kStages);
+        if (!(GATHER && kt == 0)) mbar_wait(full0 + 8 * s, (it / kStages) & 1u);  // GATHER: waited for above
+        const int s1 = kTwo ? int((it + 1) % kStages) : s;
+        if constexpr (kTwo) mbar_wait(full0 + 8 * s1, ((it + 1) / kStages) & 1u);
+        __syncwarp();  // wgmma is .sync.aligned
+        const uint32_t st = base + uint32_t(s) * kStageBytes;
+        const uint64_t da = desc_sw128(st), db = desc_sw128(st + kWBoxBytes), dx = desc_sw128(st + 2 * kWBoxBytes);
+        fence_acc(d0), fence_acc(d1);
+        if constexpr (kTwo) fence_acc(d2), fence_acc(d3);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        // kTwo: the same weights against token tile 1, interleaved by k16 step (fewer descriptors live at once)
+        const uint64_t dx1 = kTwo ? desc_sw128(base + uint32_t(s1) * kStageBytes + 2 * kWBoxBytes) : 0;
 #pragma unroll
-      for (int j = 0; j < kBK / 16; ++j) {
-        wgmma_m64n32k16(d0, da + 2 * j, dx + 2 * j);
-        wgmma_m64n32k16(d1, db + 2 * j, dx + 2 * j);
+        for (int j = 0; j < kBK / 16; ++j) {
+          wgmma_m64n32k16(d0, da + 2 * j, dx + 2 * j);
+          wgmma_m64n32k16(d1, db + 2 * j, dx + 2 * j);
+          if constexpr (kTwo) {
+            wgmma_m64n32k16(d2, da + 2 * j, dx1 + 2 * j);
+            wgmma_m64n32k16(d3, db + 2 * j, dx1 + 2 * j);
+          }
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");  // bandwidth-bound: no deeper math pipeline
+        fence_acc(d0), fence_acc(d1);
+        if constexpr (kTwo) fence_acc(d2), fence_acc(d3);
+        __syncwarp();
+        if (lane == 0) {
+          mbar_arrive(empty0 + 8 * s);
+          if constexpr (kTwo) mbar_arrive(empty0 + 8 * s1);
+        }
       }
-      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");  // bandwidth-bound: no deeper math pipeline
-      fence_acc(d0), fence_acc(d1);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty0 + 8 * s);
-    }
+    };
+    if (kTT > 1 && two)
+      run_slices(std::integral_constant<bool, kTT == 2>{});
+    else
+      run_slices(std::false_type{});
     // Accumulator fragment of thread (warp w, lane l): d[4j + 2i + c] = D[row 16w + l/4 + 8i][token 8j + 2(l%4) + c];
     // for gate_up, gate and up of one output element sit in the same thread.
     const int r0 = warp * 16 + (lane >> 2), t0 = (lane & 3) * 2;
+    auto store_tile = [&](int tok0, const float(&lo)[16], const float(&hi)[16]) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+        for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int tok = 8 * j + t0 + c, idx = 4 * j + 2 * i + c, r = r0 + 8 * i;
-          if (tok >= cnt) continue;
-          const size_t row = size_t(e) * kTok + tok;
-          if (GATED && !down) {
-            act[row * I + nt * 64 + r] = __float2bfloat16(gelu_tanh(d0[idx]) * d1[idx]);
-          } else {
-            store_expert_row(y, y_bf16, row * H + nt * 128 + r, d0[idx]);
-            store_expert_row(y, y_bf16, row * H + nt * 128 + 64 + r, d1[idx]);
+          for (int c = 0; c < 2; ++c) {
+            const int tok = tok0 + 8 * j + t0 + c, idx = 4 * j + 2 * i + c, r = r0 + 8 * i;
+            if (tok >= cnt) continue;
+            const size_t row = size_t(e) * kRows + tok;
+            if (GATED && !down) {
+              act[row * I + nt * 64 + r] = __float2bfloat16(gelu_tanh(lo[idx]) * hi[idx]);
+            } else {
+              store_expert_row(y, y_bf16, row * H + nt * 128 + r, lo[idx]);
+              store_expert_row(y, y_bf16, row * H + nt * 128 + 64 + r, hi[idx]);
+            }
           }
-        }
-    if (FUSED && !down && cnt > 0) {  // release this warp's act stores to the down tiles' producers
+    };
+    if (kTT == 1 || (j0 == 0 && !two)) {  // (the common case with constant slots)
+      store_tile(0, d0, d1);
+    } else {
+      store_tile(kTok * j0, d0, d1);
+      if (two) store_tile(kTok, d2, d3);
+    }
+    // Release this warp's act stores to the down tiles' producers, once a tile's last instance has stored (program
+    // order covers the earlier instance's stores of the same warp).
+    if (FUSED && !down && cnt > 0 && kTok * (j0 + ntt) >= cnt) {
       __syncwarp();
       if (lane == 0) {
         __threadfence();
@@ -578,6 +678,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+}  // namespace
+
+namespace {
+// Blocks an SM of each kernel instantiation at its shared memory, as experts_tma_supported found them (0: unknown).
+constexpr int kMaxInstantiations = 32;
+std::pair<const void*, int> g_blocks_per_sm[kMaxInstantiations];
+int blocks_per_sm_of(const void* kernel) {
+  for (const auto& [k, n] : g_blocks_per_sm)
+    if (k == kernel) return n;
+  return 0;
+}
 }  // namespace
 
 bool experts_tma_supported(int M, int H, int I) {
@@ -600,8 +711,19 @@ bool experts_tma_supported(int M, int H, int I) {
                              std::pair{experts_tma_k<true, kStagesShared3, true, true>, kStagesShared3},
                              std::pair{experts_tma_k<true, kStagesShared5, true, true>, kStagesShared5},
                              std::pair{experts_tma_k<true, kStagesOwn, true, true>, kStagesOwn},
-                             std::pair{experts_tma_k<true, kStagesShared3, true, true, true>, kStagesShared3}})
+                             std::pair{experts_tma_k<true, kStagesShared3, true, true, true>, kStagesShared3},
+                             std::pair{experts_tma_k<true, kStagesShared, true, true, false, true>, kStagesShared},
+                             std::pair{experts_tma_k<true, kStagesShared3, true, true, false, true>, kStagesShared3},
+                             std::pair{experts_tma_k<true, kStagesShared5, true, true, false, true>, kStagesShared5},
+                             std::pair{experts_tma_k<true, kStagesOwn, true, true, false, true>, kStagesOwn},
+                             std::pair{experts_tma_k<true, kStagesShared3, true, true, true, true>, kStagesShared3}})
+    {
       CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(stages)));
+      int per_sm = 0;
+      CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kThreads, size_t(smem_bytes(stages))));
+      static int n = 0;
+      if (n < kMaxInstantiations) g_blocks_per_sm[n++] = {reinterpret_cast<const void*>(k), std::max(per_sm, 1)};
+    }
     return true;
   }();
   return ok;
@@ -644,14 +766,22 @@ void pack_expert_down(const bf16* src, bf16* dst, int E, int H, int I, cudaStrea
 }
 
 namespace {
-// The grid of a launch that shares every SM (plan.sms <= 0): the blocks that fit an SM's shared memory on every SM,
-// or plan.grid, capped at the tile count. Block b's first tile is tile b.
-int shared_sm_grid(const TmaExpertsPlan& plan, int tiles) {
-  const int per_sm = plan.stages == kStagesShared3 ? 3 : 2;
+// The grid of a launch that shares every SM (plan.sms <= 0): the blocks of `kernel` resident at once on every SM
+// (its shared memory and registers decide), or plan.grid, capped at the tile count. Block b's first tile is tile b.
+// Never more than fit at once: the fused launch's down tiles wait for gate_up tiles that every block's first tile
+// holds, so a block that could not start until another one leaves would deadlock it.
+// The occupancy is queried once per kernel (experts_tma_supported, before any launch or stream capture).
+template <class Kernel>
+int shared_sm_grid(Kernel kernel, int smem, const TmaExpertsPlan& plan, int tiles) {
+  int per_sm = blocks_per_sm_of(reinterpret_cast<const void*>(kernel));
+  if (per_sm <= 0) {
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, size_t(smem)));
+    per_sm = std::max(per_sm, 1);
+  }
   return std::min(tiles, plan.grid > 0 ? std::min(plan.grid, per_sm * sm_count()) : per_sm * sm_count());
 }
 
-template <bool GATED, bool GATHER, bool FUSED = false>
+template <bool GATED, bool GATHER, bool FUSED = false, bool TWO = false>
 void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, int E, int H, int I, bf16* act,
                         ExpertRows y, const TmaExpertsPlan& plan, cudaStream_t s, const bf16* xg = nullptr,
                         const int32_t* slot_token = nullptr, const unsigned* masks = nullptr, int mask_words = 0) {
@@ -666,6 +796,7 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   // With the PDL attribute (launch.cuh; dropped while pdl_enabled() is false): the kernel's producer streams its
   // first stages' weights before griddepcontrol.wait (see the kernel).
   auto go = [&](auto kernel, int stages, int grid) {
+    if (grid <= 0) grid = shared_sm_grid(kernel, smem_bytes(stages), plan, tiles);
     const int stride = std::max(plan.first_tile_stride, 1);
     const int first_stride = std::gcd(stride, grid) == 1 ? stride : 1;  // a permutation of [0, grid) or none
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
@@ -674,21 +805,21 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
                plan.claim_ahead, first_stride);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
-    const int grid = shared_sm_grid(plan, tiles);
+    const int grid = 0;  // shared_sm_grid, by the kernel's occupancy
     if constexpr (FUSED) {
       if (g_etl_buf && plan.stages == kStagesShared3) {  // experts_timeline_begin
-        go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED, true>, kStagesShared3, grid);
+        go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED, true, TWO>, kStagesShared3, grid);
         return;
       }
     }
     if (plan.stages == kStagesShared3)
-      go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED>, kStagesShared3, grid);
+      go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED, false, TWO>, kStagesShared3, grid);
     else if (plan.stages == kStagesShared5)
-      go(experts_tma_k<GATED, kStagesShared5, GATHER, FUSED>, kStagesShared5, grid);
+      go(experts_tma_k<GATED, kStagesShared5, GATHER, FUSED, false, TWO>, kStagesShared5, grid);
     else
-      go(experts_tma_k<GATED, kStagesShared, GATHER, FUSED>, kStagesShared, grid);
+      go(experts_tma_k<GATED, kStagesShared, GATHER, FUSED, false, TWO>, kStagesShared, grid);
   } else {
-    go(experts_tma_k<GATED, kStagesOwn, GATHER, FUSED>, kStagesOwn, std::min(tiles, plan.sms));
+    go(experts_tma_k<GATED, kStagesOwn, GATHER, FUSED, false, TWO>, kStagesOwn, std::min(tiles, plan.sms));
   }
 }
 
@@ -768,8 +899,12 @@ void moe_experts_fused_tma_masked(const TmaMap& w_gate_up, const TmaMap& w_down,
                      __FILE__, __LINE__);
   // The grid is capped at the gate_up tile count (launch_experts_tma), so every block's first tile is a gate_up
   // tile and all gate_up tiles are handed out before any down tile.
-  launch_experts_tma<true, true, true>(w_gate_up, w_down, nullptr, E, H, I, act, y, plan, s, x, nullptr,
-                                       expert_masks, (T + 31) / 32);
+  if (plan.two_token_tiles)
+    launch_experts_tma<true, true, true, true>(w_gate_up, w_down, nullptr, E, H, I, act, y, plan, s, x, nullptr,
+                                               expert_masks, (T + 31) / 32);
+  else
+    launch_experts_tma<true, true, true>(w_gate_up, w_down, nullptr, E, H, I, act, y, plan, s, x, nullptr,
+                                         expert_masks, (T + 31) / 32);
 }
 
 void delayed_copy_for_test(const void* src0, void* dst0, size_t bytes0, const void* src1, void* dst1, size_t bytes1,
