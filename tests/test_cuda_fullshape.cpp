@@ -197,6 +197,7 @@ TEST(CudaFullShape, ExpertTwoTokenTilesMatchOneTile) {
     opt.max_context = int64_t(prompt.size() + canvas.size());
     opt.progress = false;
     opt.expert_two_token_tiles = two;
+    opt.auto_two_token_tiles_heavy = 0;
     auto gpu = make_cuda_backend(*model, opt);
     gpu->prefill(prompt);
     DenoiseRequest req;
@@ -210,9 +211,87 @@ TEST(CudaFullShape, ExpertTwoTokenTilesMatchOneTile) {
   int agree = 0;
   for (int r = 0; r < L; ++r) agree += outs[0].rows[size_t(r)].argmax == outs[1].rows[size_t(r)].argmax;
   const double c = cosine(outs[0].logits, outs[1].logits);
-  std::printf("[fullshape] two token tiles vs one, 4 distinct canvas tokens: cosine %.7f, argmax %d/%d\n", c, agree, L);
+  std::printf("[fullshape] two token tiles vs one, 4 distinct canvas tokens: cosine %.7f, argmax %d/%d, logits bitwise "
+              "%s\n", c, agree, L, outs[0].logits == outs[1].logits ? "equal" : "different");
   EXPECT_GE(c, 0.9999);
   EXPECT_GE(double(agree) / L, 0.99);
+}
+
+// CudaOptions::auto_two_token_tiles_heavy (the default): on the same concentrated canvas a canvas's first step runs on
+// one token tile (bitwise the fixed one-tile backend's step, through the layer graph and the whole-step graph), the
+// PreviousStep steps after it on two (their logits agree with the one-tile backend's to bf16 noise), and
+// a first step after them on one tile again (bitwise, so each mode keeps its own graphs and buffers intact).
+TEST(CudaFullShape, AutoTokenTilesFollowThePreviousStep) {
+  const char* dir_env = std::getenv("DIFFGEMMA_FULLSHAPE_DIR");
+  if (!dir_env || !*dir_env)
+    GTEST_SKIP() << "set DIFFGEMMA_FULLSHAPE_DIR (tools/reference/make_fullshape_fixture.py output)";
+  auto info = cuda::query_device(0);
+  if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
+  const std::string dir = dir_env;
+  auto model = load_model(dir);
+  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
+  auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
+  auto canvas = cased["canvas1"].get<std::vector<int32_t>>();
+  for (size_t i = 0; i < canvas.size(); ++i) canvas[i] = canvas[i % 4];
+  const int L = int(canvas.size());
+  // Per backend: first step (layer graph, logits), PreviousStep (logits), first step (whole-step graph), PreviousStep
+  // (whole-step graph), first step (layer graph, logits).
+  struct Run {
+    std::vector<DenoiseResult> steps;
+    CudaExpertTileStats tiles;
+  };
+  auto run = [&](bool auto_tiles) {
+    Run r;
+    CudaOptions opt = cuda_test_options();
+    opt.max_context = int64_t(prompt.size() + canvas.size());
+    opt.progress = false;
+    opt.expert_two_token_tiles = false;
+    if (!auto_tiles) opt.auto_two_token_tiles_heavy = 0;
+    opt.tile_stats = &r.tiles;
+    auto gpu = make_cuda_backend(*model, opt);
+    gpu->prefill(prompt);
+    r.steps.resize(5);
+    const SelfCondition sc[5] = {SelfCondition::None, SelfCondition::PreviousStep, SelfCondition::None,
+                                 SelfCondition::PreviousStep, SelfCondition::None};
+    const bool logits[5] = {true, true, false, false, true};
+    for (int i = 0; i < 5; ++i) {
+      DenoiseRequest req;
+      req.canvas = canvas;
+      req.temperature = 0.8f;
+      req.self_condition = sc[i];
+      req.want_logits = logits[i];
+      gpu->denoise(req, r.steps[size_t(i)]);
+    }
+    return r;
+  };
+  const Run one = run(false), autorun = run(true);
+  EXPECT_EQ(one.tiles.two_tile_steps, 0);
+  EXPECT_EQ(autorun.tiles.two_tile_steps, 2) << "experts past 32 rows: " << autorun.tiles.last_heavy;
+  EXPECT_GE(autorun.tiles.last_heavy, CudaOptions{}.auto_two_token_tiles_heavy);
+  auto same_rows = [&](const DenoiseResult& a, const DenoiseResult& b) {
+    if (a.rows.size() != b.rows.size()) return false;
+    for (size_t r = 0; r < a.rows.size(); ++r)
+      if (std::memcmp(&a.rows[r], &b.rows[r], sizeof(RowStats)) != 0) return false;
+    return true;
+  };
+  for (int i : {0, 2, 4}) {
+    EXPECT_TRUE(same_rows(one.steps[size_t(i)], autorun.steps[size_t(i)])) << "first step " << i;
+    EXPECT_EQ(one.steps[size_t(i)].logits, autorun.steps[size_t(i)].logits) << "first step " << i;
+  }
+  for (int i : {1, 3}) {
+    const auto& a = one.steps[size_t(i)];
+    const auto& b = autorun.steps[size_t(i)];
+    int agree = 0;
+    for (int r = 0; r < L; ++r) agree += a.rows[size_t(r)].argmax == b.rows[size_t(r)].argmax;
+    EXPECT_GE(double(agree) / L, 0.99) << "PreviousStep step " << i;
+    if (i == 1) {
+      const double c = cosine(a.logits, b.logits);
+      std::printf("[fullshape] auto token tiles: PreviousStep step on two tiles vs one: cosine %.7f, argmax %d/%d, "
+                  "bitwise %s; experts past 32 rows %d\n", c, agree, L, a.logits == b.logits ? "equal" : "different",
+                  autorun.tiles.last_heavy);
+      EXPECT_GE(c, 0.9999);
+    }
+  }
 }
 
 }  // namespace

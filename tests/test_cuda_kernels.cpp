@@ -690,11 +690,16 @@ TEST(CudaKernels, RouterTopKMasksAndAssignment) {
         EXPECT_EQ(gt[size_t(e) * M + s], i / k) << what << " slot_token of row " << r;
       }
     }
-    // the assignment on 256 and 32 threads (CudaOptions::narrow_assignment): the same rows, meta and slots
+    // the assignment on 256 and 32 threads (CudaOptions::narrow_assignment): the same rows, meta and slots; and the
+    // count of experts past heavy_rows pairs (thresholds around the mean, so that some are and some are not)
     for (int threads : {256, 32}) {
-      Dev<int32_t> ovf_n(size_t(E) + 1), spos_n(pairs), meta_n(2 * size_t(E) + 1), slot_n(size_t(E) * M);
+      Dev<int32_t> ovf_n(size_t(E) + 1), spos_n(pairs), meta_n(2 * size_t(E) + 1), slot_n(size_t(E) * M), heavy(1);
       CUDA_CHECK(cudaMemcpy(slot_n.p, slot.p, slot.n * sizeof(int32_t), cudaMemcpyDeviceToDevice));
-      moe_assign_padded(idx.p, T, k, E, M, ovf_n.p, spos_n.p, meta_n.p, slot_n.p, nullptr, threads);
+      const int heavy_rows = threads == 32 ? M / 2 : M / 2 - 1;
+      moe_assign_padded(idx.p, T, k, E, M, ovf_n.p, spos_n.p, meta_n.p, slot_n.p, nullptr, threads, heavy_rows,
+                        heavy.p);
+      const int want_heavy = int(std::count_if(cnt.begin(), cnt.end(), [&](int c) { return c > heavy_rows; }));
+      EXPECT_EQ(heavy.get()[0], want_heavy) << what << ", experts past " << heavy_rows << " rows";
       EXPECT_EQ(ovf_n.get(), go) << what << ", " << threads << " threads";
       EXPECT_EQ(spos_n.get(), gs) << what << ", " << threads << " threads";
       EXPECT_EQ(meta_n.get(), gm) << what << ", " << threads << " threads";

@@ -59,7 +59,8 @@ struct BenchArgs {
   int expert_sms = 0, tma_l2_prefetch = 0, tma_grid = 0, tma_prewait = -1, claim_ahead = 3, first_stride = 1;
   int tma_stages = 3;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
-  int expert_token_tiles = 1;  // 2: CudaOptions::expert_two_token_tiles
+  std::string expert_token_tiles = "auto";  // 1, 2 (CudaOptions::expert_two_token_tiles) or auto
+  int two_tile_heavy = CudaOptions{}.auto_two_token_tiles_heavy;
   bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false,
        overflow_on_side = false, dense_down_side_plan = false, f32_expert_rows = false, dense_tma = false;
   int dense_tma_cluster = 1;  // CudaOptions::dense_tma_cluster
@@ -185,7 +186,8 @@ int run_bench(const BenchArgs& args) {
   opt.tma_experts_claim_ahead = args.claim_ahead;
   opt.tma_experts_first_stride = args.first_stride;
   opt.fused_experts = !args.no_fused_experts;
-  opt.expert_two_token_tiles = args.expert_token_tiles == 2;
+  opt.expert_two_token_tiles = args.expert_token_tiles == "2";
+  opt.auto_two_token_tiles_heavy = args.expert_token_tiles == "auto" ? args.two_tile_heavy : 0;
   opt.pack_expert_gate_up = !args.no_pack_gate_up;
   opt.pack_expert_down = !args.no_pack_down;
   opt.dense_down_last = !args.dense_down_first;
@@ -204,6 +206,8 @@ int run_bench(const BenchArgs& args) {
   CudaScStats sc_stats;
   opt.sc_sparse = args.sc_sparse;
   opt.sc_stats = &sc_stats;
+  CudaExpertTileStats tile_stats;
+  opt.tile_stats = &tile_stats;
   std::unique_ptr<LoadedModel> model;
   std::unique_ptr<Backend> be;
   Timer timer;
@@ -250,6 +254,7 @@ int run_bench(const BenchArgs& args) {
   out["expert_first_stride"] = args.first_stride;
   out["fused_experts"] = !args.no_fused_experts;
   out["expert_token_tiles"] = args.expert_token_tiles;
+  out["two_tile_heavy"] = args.two_tile_heavy;
   out["pack_expert_gate_up"] = !args.no_pack_gate_up;
   out["pack_expert_down"] = !args.no_pack_down;
   out["dense_down_last"] = !args.dense_down_first;
@@ -305,7 +310,9 @@ int run_bench(const BenchArgs& args) {
     for (int w = 0; w < 2; ++w) be->denoise(req, res);
     std::vector<double> t;
     host_times.reset();
+    tile_stats.reset();
     for (int r = 0; r < args.reps; ++r) t.push_back(timer.ms([&] { be->denoise(req, res); }));
+    const CudaExpertTileStats timed_tiles = tile_stats;
     const double step = median(t);
     const double launch_us = host_times.graph_launch_us.empty() ? 0.0 : median(host_times.graph_launch_us);
     if (!args.experts_timeline.empty() && ctx == contexts.front()) {
@@ -382,10 +389,16 @@ int run_bench(const BenchArgs& args) {
     d["commit_ms"] = commit_ms;
     d["graph_launch_us"] = launch_us;
     d["tok_per_s_16_steps"] = e2e;
+    d["expert_tiles"] = {{"one_tile_steps", timed_tiles.one_tile_steps},
+                         {"two_tile_steps", timed_tiles.two_tile_steps},
+                         {"heavy_experts", timed_tiles.last_heavy}};
     std::fprintf(stderr,
                  "kv %6d: denoise step %7.2f ms (min %.2f; graph launch call %.1f us), commit 256 %7.2f ms, "
-                 "16 steps/canvas %7.0f tok/s\n",
-                 ctx, step, *std::min_element(t.begin(), t.end()), launch_us, commit_ms, e2e);
+                 "16 steps/canvas %7.0f tok/s; timed steps on two token tiles %lld/%lld (experts past 32 rows: %d)\n",
+                 ctx, step, *std::min_element(t.begin(), t.end()), launch_us, commit_ms, e2e,
+                 static_cast<long long>(timed_tiles.two_tile_steps),
+                 static_cast<long long>(timed_tiles.one_tile_steps + timed_tiles.two_tile_steps),
+                 timed_tiles.last_heavy);
   }
 
   // End to end through the block loop: prompt prefill, then every canvas at exactly --fixed-steps denoise steps
@@ -605,9 +618,15 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_option("--expert-token-tiles", a->expert_token_tiles,
                                       "token tiles of 32 rows an expert in the fused expert launch: 2 serves up to "
                                       "64 rows an expert with its weights read once (concentrated routing; "
-                                      "CudaOptions::expert_two_token_tiles), 1 (default) sends rows past 32 to the "
-                                      "overflow kernels")
-                           ->check(CLI::IsMember({1, 2}));
+                                      "CudaOptions::expert_two_token_tiles), 1 sends rows past 32 to the overflow "
+                                      "kernels, auto (default) takes 2 for a step whose previous step had at least "
+                                      "--two-tile-heavy experts past 32 rows")
+                           ->check(CLI::IsMember({"1", "2", "auto"}));
+                       sub.add_option("--two-tile-heavy", a->two_tile_heavy,
+                                      "with --expert-token-tiles auto: (layer, expert) pairs past 32 rows in the "
+                                      "previous step that switch a step to two token tiles "
+                                      "(CudaOptions::auto_two_token_tiles_heavy)")
+                           ->check(CLI::PositiveNumber);
                        sub.add_flag("--no-fused-experts", a->no_fused_experts,
                                     "A/B: gate_up then a separate down GEMM (cuBLASLt, or the TMA kernel on packed "
                                     "weights) instead of one persistent TMA launch (CudaOptions::fused_experts)");

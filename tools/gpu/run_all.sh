@@ -131,7 +131,7 @@ fi
     "CUBLAS_ROUTER=${CUBLAS_ROUTER:-0} ROUTER_TC=${ROUTER_TC:-0}" \
     "UNFUSED_EXPERTS=${UNFUSED_EXPERTS:-0} UNPACKED_EXPERTS=${UNPACKED_EXPERTS:-0}" \
     "LAYER_GRAPH=${LAYER_GRAPH:-0} DENSE_TMA=${DENSE_TMA:-0} TWO_TOKEN_TILES=${TWO_TOKEN_TILES:-0} (rc $te_rc)"
-  [ -f "$OUT/parity_experts_path.log" ] && grep -E '^\[parity\]|^\[fullshape\] (nosc|sc|commit|two) |^\[  (FAILED|  OK) \]' "$OUT/parity_experts_path.log"
+  [ -f "$OUT/parity_experts_path.log" ] && grep -E '^\[parity\]|^\[fullshape\] (nosc|sc|commit|two|auto) |^\[  (FAILED|  OK) \]' "$OUT/parity_experts_path.log"
   echo "== full shape vs HF (rc $f_rc)"
   [ -f "$OUT/fullshape_fixture.log" ] && grep -E 'FAIL|WARN|agree|cosine|Error' "$OUT/fullshape_fixture.log" | tail -12
   [ -f "$OUT/fullshape.log" ] && grep -E '^\[fullshape\]|^\[  (FAILED|  OK|SKIPPED) \]|Failure' "$OUT/fullshape.log"

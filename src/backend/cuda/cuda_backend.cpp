@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <numeric>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
@@ -441,6 +442,9 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_stats_), host_stats_, 0));
     CUDA_CHECK(cudaHostAlloc(&host_temperature_, sizeof(float), cudaHostAllocMapped));
     CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_temperature_), host_temperature_, 0));
+    CUDA_CHECK(cudaHostAlloc(&host_heavy_, size_t(cfg_.num_layers) * sizeof(int32_t), cudaHostAllocMapped));
+    CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_heavy_), host_heavy_, 0));
+    std::fill_n(host_heavy_, cfg_.num_layers, 0);
   }
 
   ~CudaBackend() override {
@@ -465,6 +469,7 @@ class CudaBackend final : public Backend {
     cudaFreeHost(host_ids_);
     cudaFreeHost(host_stats_);
     cudaFreeHost(host_temperature_);
+    cudaFreeHost(host_heavy_);
     cudaStreamDestroy(stream_);
   }
 
@@ -523,6 +528,7 @@ class CudaBackend final : public Backend {
     // Stages are only meaningful for a prefill that runs as one chunk.
     const bool tracing = trace_ && ids.size() <= size_t(opt_.prefill_chunk);
     if (trace_) trace_->stages.clear(), trace_->router_logits.clear(), trace_->experts.clear();
+    two_tiles_now_ = opt_.expert_two_token_tiles;
     for (size_t done = 0; done < ids.size();) {
       const int T = int(std::min<size_t>(size_t(opt_.prefill_chunk), ids.size() - done));
       embed(ids.subspan(done, size_t(T)));
@@ -555,6 +561,7 @@ class CudaBackend final : public Backend {
       fail("denoise: sc_logits has {} values, expected {} x {}", req.sc_logits.size(), L, V);
     stage_ids(req.canvas);
     prev_rows_ = 0;  // the logits buffer is about to hold this step's logits (the SC input, if any, is read first)
+    choose_token_tiles(req);
     if (whole_step_graph_applies(req)) {
       launch_step_graph(req, L);
     } else {
@@ -570,6 +577,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (timing_) collect_marks();
     timing_ = false;
+    prev_heavy_ = std::accumulate(host_heavy_, host_heavy_ + cfg_.num_layers, 0);
+    if (opt_.tile_stats) opt_.tile_stats->last_heavy = prev_heavy_;
     out.rows.resize(size_t(L));
     for (int r = 0; r < L; ++r) {
       const auto& d = host_stats_[r];
@@ -593,6 +602,18 @@ class CudaBackend final : public Backend {
   }
 
   void set_layer_trace(LayerTrace* trace) override { trace_ = trace; }
+
+  // The fused expert launch's token tiles for this denoise step (CudaOptions::auto_two_token_tiles_heavy), from the
+  // previous denoise step's heavy experts. The stream is idle (stage_ids): the tally is cleared for this step's
+  // assignment kernels to fill (a pass that does not run them leaves 0).
+  void choose_token_tiles(const DenoiseRequest& req) {
+    const bool previous = req.self_condition == SelfCondition::PreviousStep;
+    two_tiles_now_ = opt_.expert_two_token_tiles || (previous && opt_.auto_two_token_tiles_heavy > 0 &&
+                                                     prev_heavy_ >= opt_.auto_two_token_tiles_heavy);
+    std::fill_n(host_heavy_, cfg_.num_layers, 0);
+    if (opt_.tile_stats && previous)
+      ++(two_tiles_now_ ? opt_.tile_stats->two_tile_steps : opt_.tile_stats->one_tile_steps);
+  }
 
   // Captures what `enqueue` launches on stream_ (and the streams it forks) into `exec`: patched in place when the
   // topology is unchanged (cudaGraphExecUpdate), else instantiated afresh.
@@ -644,12 +665,12 @@ class CudaBackend final : public Backend {
       }
       return;
     }
-    if (!graph_exec_ || graph_rows_ != L || graph_kv_ != kv_len_) {
+    if (!graph_exec_ || graph_rows_ != L || graph_kv_ != kv_len_ || graph_two_tiles_ != two_tiles_now_) {
       graph_rows_ = -1;  // stays invalid if the capture below throws
       capture_graph(graph_exec_, [&] {
         for (int l = 0; l < cfg_.num_layers; ++l) layer(l, Pass::Decoder, L);
       });
-      graph_rows_ = L, graph_kv_ = kv_len_;
+      graph_rows_ = L, graph_kv_ = kv_len_, graph_two_tiles_ = two_tiles_now_;
     }
     CUDA_CHECK(cudaGraphLaunch(graph_exec_, stream_));
   }
@@ -799,8 +820,8 @@ class CudaBackend final : public Backend {
   // and patched in place as decoder_layers does.
   void launch_step_graph(const DenoiseRequest& req, int L) {
     const size_t mode = size_t(req.self_condition);
-    if (mode >= step_graphs_.size()) fail("denoise: unknown self-conditioning mode {}", int(mode));
-    StepGraph& g = step_graphs_[mode];
+    if (mode >= kSelfConditionModes) fail("denoise: unknown self-conditioning mode {}", int(mode));
+    StepGraph& g = step_graphs_[2 * mode + (two_tiles_now_ ? 1 : 0)];
     // With the temperature on the device only its division variant shapes the graph (softcap_row_stats_variant).
     const float t_key = opt_.device_temperature
                             ? float(cuda::softcap_row_stats_variant(cfg_.final_logit_softcapping, req.temperature))
@@ -993,9 +1014,10 @@ class CudaBackend final : public Backend {
                                    ? cuda::ExpertRows(reinterpret_cast<bf16*>(s_.y))
                                    : cuda::ExpertRows(s_.y);
     const bool fused_experts = masked && opt_.fused_experts && opt_.dynamic_expert_tiles;
-    // Padded rows an expert: with CudaOptions::expert_two_token_tiles the fused launch serves two token tiles an
-    // expert (cuda::kFusedExpertRows), so only an expert's rows past 64 (not 32) go through the overflow kernels.
-    const bool two_token_tiles = fused_experts && opt_.expert_two_token_tiles;
+    // Padded rows an expert: with two token tiles an expert (CudaOptions::expert_two_token_tiles, or chosen for this
+    // step: choose_token_tiles) the fused launch serves cuda::kFusedExpertRows, so only an expert's rows past 64 (not
+    // 32) go through the overflow kernels.
+    const bool two_token_tiles = fused_experts && two_tiles_now_;
     const int M = two_token_tiles ? cuda::kFusedExpertRows : M_tile;
     // Packed down weights leave the TMA kernel (or the fused launch) as down's only padded path.
     const bool down_tma = tma && !fused_experts && (opt_.tma_experts_down || L.dn_packed);
@@ -1047,7 +1069,7 @@ class CudaBackend final : public Backend {
         // Beside the expert kernel (masked, side stream): a block that fits next to its blocks' registers.
         const int threads = masked && overlap && opt_.narrow_assignment ? 256 : 1024;
         cuda::moe_assign_padded(s_.idx, T, K, E, M, s_.offsets, s_.sorted_pos, s_.moe_meta, s_.slot_token, st,
-                                threads);
+                                threads, M_tile, mapped_heavy_ + l);
       };
       if (masked) {
         if (!overlap) assign(stream_);  // else on the side stream, below
@@ -1254,7 +1276,8 @@ class CudaBackend final : public Backend {
   int padded_rows_capacity() const {
     const int canvas = cuda::moe_padded_rows_per_expert(int(cfg_.canvas_length), int(cfg_.top_k_experts),
                                                         int(cfg_.num_experts));
-    return opt_.padded_experts && opt_.fused_experts && opt_.expert_two_token_tiles
+    return opt_.padded_experts && opt_.fused_experts &&
+                   (opt_.expert_two_token_tiles || opt_.auto_two_token_tiles_heavy > 0)
                ? std::max(canvas, cuda::kFusedExpertRows)
                : canvas;
   }
@@ -1286,9 +1309,18 @@ class CudaBackend final : public Backend {
     cudaGraphExec_t exec = nullptr;
     StepGraphKey key;
   };
-  std::array<StepGraph, 4> step_graphs_;  // a whole denoise step per SelfCondition, see launch_step_graph()
+  static constexpr size_t kSelfConditionModes = 4;
+  // a whole denoise step per (SelfCondition, token tiles of the fused expert launch), see launch_step_graph()
+  std::array<StepGraph, 2 * kSelfConditionModes> step_graphs_;
   int graph_rows_ = -1;
   int64_t graph_kv_ = -1;
+  bool graph_two_tiles_ = false;
+  // The fused expert launch's token tiles in the passes being enqueued (CudaOptions::expert_two_token_tiles, or per
+  // step: choose_token_tiles), and what chooses them: each layer's count of experts past 32 rows (mapped).
+  bool two_tiles_now_ = false;
+  int prev_heavy_ = 0;
+  int32_t* host_heavy_ = nullptr;
+  int32_t* mapped_heavy_ = nullptr;
 };
 
 }  // namespace

@@ -39,6 +39,15 @@ struct CudaHostTimes {
   void reset() { graph_launch_us.clear(); }
 };
 
+// The fused expert launch's token-tile mode over the PreviousStep denoise steps (CudaOptions::tile_stats; `diffgemma
+// bench` reports it), and how concentrated the last denoise step's routing was.
+struct CudaExpertTileStats {
+  int64_t one_tile_steps = 0;
+  int64_t two_tile_steps = 0;
+  int last_heavy = 0;  // (layer, expert) pairs with more than 32 rows in the last denoise step
+  void reset() { *this = CudaExpertTileStats{}; }
+};
+
 struct CudaOptions {
   int device = 0;
   // Positions the full-attention layers can hold (prompt + committed canvases); prefill beyond it fails clearly.
@@ -190,8 +199,19 @@ struct CudaOptions {
   // 32, so that only rows past 64 go through the overflow kernels, which read an expert's weights a second time
   // (TmaExpertsPlan::two_token_tiles). A/B: bench --expert-token-tiles 2. With the bench's canvas of 16 / 4 / 1
   // distinct tokens the 4K step took 15.59 / 16.03 / 16.02 ms against 16.12 / 17.59 / 18.28, but with a uniform random
-  // canvas (no expert past 32 rows) 0.2 ms longer (docs/BENCHMARKS.md, session 24): off by default.
+  // canvas (no expert past 32 rows) 0.2 ms longer (docs/BENCHMARKS.md, session 24): forced off by default, chosen
+  // per step instead (below).
   bool expert_two_token_tiles = false;
+  // Without expert_two_token_tiles, a denoise step with SelfCondition::PreviousStep (the same canvas as the previous
+  // denoise step, whose routing it mostly repeats) takes two token tiles when that previous step had at least this
+  // many (layer, expert) pairs with more than 32 rows (moe_assign_padded counts them into mapped memory); 0 = never.
+  // Each mode has its own captured graphs, so switching costs no capture. The choice depends only on the previous
+  // step, as the step's SC input already does: generation stays deterministic. A/B: bench --expert-token-tiles
+  // 1 / 2 / auto, --two-tile-heavy N. With the bench's synthetic weights at the 4K step (docs/BENCHMARKS.md, session
+  // 25): a uniform random canvas has 0-1 such pairs (one tile 0.24 ms faster), a canvas of 64 distinct tokens 9 (one
+  // tile 0.05 ms faster), 32 distinct 30 (two tiles 0.22 ms faster), 4 distinct 146 (1.6 ms faster). The two modes'
+  // logits were bitwise equal at the full-shape fixture (CudaFullShape.ExpertTwoTokenTilesMatchOneTile).
+  int auto_two_token_tiles_heavy = 12;
   // L2 promotion (bytes: 0, 128, 256) of the TMA expert kernels' weight maps. A/B: bench --tma-l2-promotion. At 0
   // the TMA down kernel alone drops from 140.9 to 132.3 us (cuBLASLt's speed), gate_up rises 242.8 -> 247.8, and no
   // combination was faster per step than this default (docs/BENCHMARKS.md, session 8).
@@ -222,6 +242,7 @@ struct CudaOptions {
   double sc_sparse_max_tail = 1e-3;
   CudaHostTimes* host_times = nullptr;  // not owned; see CudaHostTimes
   CudaScStats* sc_stats = nullptr;  // not owned; counts the path of every PreviousStep step while sc_sparse
+  CudaExpertTileStats* tile_stats = nullptr;  // not owned; see CudaExpertTileStats
 };
 
 // A model's weights on the GPU (bf16; norms, router and scales f32), uploaded once and read-only after: any number

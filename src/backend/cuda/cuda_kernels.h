@@ -275,8 +275,11 @@ void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, in
 // moe_gate_up_padded_tma_gathered, which reads the token rows from x itself.
 // threads: the single block's size (a multiple of 32, at most 1024); fewer lets it run beside a kernel that holds
 // most of every SM's registers (the fused TMA experts leave ~23K), at the same results.
+// heavy_experts (may be null): *heavy_experts = the number of experts with more than heavy_rows pairs (a plain store,
+// so it may be mapped host memory: the backend's choice of token tiles for the next step reads it).
 void moe_assign_padded(const int32_t* idx, int T, int k, int E, int M, int32_t* ovf_offsets, int32_t* sorted_pos,
-                       int32_t* meta, int32_t* slot_token, cudaStream_t s, int threads = 1024);
+                       int32_t* meta, int32_t* slot_token, cudaStream_t s, int threads = 1024, int heavy_rows = 0,
+                       int32_t* heavy_experts = nullptr);
 // act[r] = bf16(gelu_tanh(gu[r, 0:I]) * gu[r, I:2I]) for the padded rows that hold a pair (meta of
 // moe_group_padded); the padding rows of act are left as they are (nothing reads them).
 void moe_gelu_mul_padded(const float* gu, int E, int M, int I, const int32_t* meta, bf16* act, cudaStream_t s);

@@ -146,10 +146,11 @@ __global__ void route_top_k_warp_k(const float* logits, int T, int E, int k, con
 // - by atomics: slots in arrival order, for idx of any kind (moe_group's generic grouping of long prefill chunks).
 // staged: idx copied into shared memory once (all loads of a thread in flight together) instead of read in each
 // phase, each a dependent L2 round trip per pair a thread handles.
-__device__ void scan_expert_rows(int E, int M, int32_t* ovf, int32_t* meta, const int* cnt) {
+__device__ void scan_expert_rows(int E, int M, int32_t* ovf, int32_t* meta, const int* cnt, int heavy_rows,
+                                 int32_t* heavy_out) {
   if (threadIdx.x >= 32) return;  // warp 0 scans the counts, 32 experts at a time, in ascending expert id
   const int lane = threadIdx.x;
-  int run = E * M, n_ovf = 0;
+  int run = E * M, n_ovf = 0, n_heavy = 0;
   for (int e0 = 0; e0 < E; e0 += 32) {
     const int e = e0 + lane, c = e < E ? cnt[e] : 0, over = max(0, c - M);
     int incl = over;  // inclusive scan of the overflow rows
@@ -167,10 +168,12 @@ __device__ void scan_expert_rows(int E, int M, int32_t* ovf, int32_t* meta, cons
     }
     run += __shfl_sync(0xffffffffu, incl, 31);
     n_ovf += __popc(flagged);
+    n_heavy += __popc(__ballot_sync(0xffffffffu, c > heavy_rows));
   }
   if (lane == 0) {
     ovf[E] = run;
     if (meta) meta[0] = n_ovf;
+    if (heavy_out) *heavy_out = n_heavy;
   }
 }
 
@@ -193,7 +196,8 @@ AssignLayout assign_layout(int T, int k, int E) {
 }
 
 __global__ void moe_assign_k(const int32_t* idx_global, int T, int k, int E, int M, int32_t* ovf, int32_t* sorted_pos,
-                             int32_t* meta, int32_t* slot_token, bool ordered, bool staged) {
+                             int32_t* meta, int32_t* slot_token, bool ordered, bool staged, int heavy_rows,
+                             int32_t* heavy_out) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   extern __shared__ int assign_smem[];  // AssignLayout
@@ -225,7 +229,7 @@ __global__ void moe_assign_k(const int32_t* idx_global, int T, int k, int E, int
     for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&cnt[load_idx(i)], 1);
   }
   __syncthreads();
-  scan_expert_rows(E, M, ovf, meta, cnt);
+  scan_expert_rows(E, M, ovf, meta, cnt, heavy_rows, heavy_out);
   __syncthreads();
   if (!ordered)
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;  // the slot cursors
@@ -718,12 +722,13 @@ void route_top_k(const float* logits, int T, int E, int k, const float* per_expe
 }
 
 void moe_assign_padded(const int32_t* idx, int T, int k, int E, int M, int32_t* ovf_offsets, int32_t* sorted_pos,
-                       int32_t* meta, int32_t* slot_token, cudaStream_t s, int threads) {
+                       int32_t* meta, int32_t* slot_token, cudaStream_t s, int threads, int heavy_rows,
+                       int32_t* heavy_experts) {
   if (threads < 32 || threads > 1024 || threads % 32 != 0)
     throw_cuda_error("moe_assign_padded", "threads must be a multiple of 32 in [32, 1024]", 0, __FILE__, __LINE__);
   const AssignLayout al = assign_layout(T, k, E);
   launch_pdl(moe_assign_k, dim3(1), dim3(unsigned(threads)), al.bytes, s, idx, T, k, E, M, ovf_offsets, sorted_pos,
-             M > 0 ? meta : nullptr, M > 0 ? slot_token : nullptr, al.ordered, al.staged);
+             M > 0 ? meta : nullptr, M > 0 ? slot_token : nullptr, al.ordered, al.staged, heavy_rows, heavy_experts);
   CUDA_CHECK_LAUNCH();
 }
 
