@@ -30,6 +30,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_device.h"
+#include "diffusion/generate.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
 #include "util/mmap_file.h"
@@ -291,6 +292,57 @@ TEST(CudaFullShape, AutoTokenTilesFollowThePreviousStep) {
                   autorun.tiles.last_heavy);
       EXPECT_GE(c, 0.9999);
     }
+  }
+}
+
+// The block loop over the full-shape fixture (two canvases, seed defaults) on one token tile, on two, and chosen per
+// step (threshold 1, so the concentrated first canvas steps switch): the same generation, token for token and forward
+// for forward, and again after a truncate on the per-step backend.
+TEST(CudaFullShape, GenerationSameWhateverTheTokenTiles) {
+  const char* dir_env = std::getenv("DIFFGEMMA_FULLSHAPE_DIR");
+  if (!dir_env || !*dir_env)
+    GTEST_SKIP() << "set DIFFGEMMA_FULLSHAPE_DIR (tools/reference/make_fullshape_fixture.py output)";
+  auto info = cuda::query_device(0);
+  if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
+  const std::string dir = dir_env;
+  auto model = load_model(dir);
+  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
+  auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
+  diffusion::GenerationOptions o;
+  o.max_new_tokens = 2 * model->config.canvas_length;
+  o.validate(model->config);
+  auto weights = upload_cuda_weights(*model, [] {
+    CudaOptions w = cuda_test_options();
+    w.progress = false;
+    return w;
+  }());
+  auto generate_with = [&](int mode, CudaExpertTileStats* stats, int runs) {
+    CudaOptions opt = cuda_test_options();
+    opt.max_context = int64_t(prompt.size()) + 3 * model->config.canvas_length;
+    opt.progress = false;
+    opt.expert_two_token_tiles = mode == 2;
+    opt.auto_two_token_tiles_heavy = mode == 0 ? 1 : 0;
+    opt.tile_stats = stats;
+    auto gpu = make_cuda_backend(weights, opt);
+    std::vector<diffusion::GenerationResult> out;
+    for (int r = 0; r < runs; ++r) {
+      gpu->truncate(0);
+      out.push_back(diffusion::generate(*gpu, prompt, o));
+    }
+    return out;
+  };
+  CudaExpertTileStats auto_stats;
+  const auto one = generate_with(1, nullptr, 1), two = generate_with(2, nullptr, 1);
+  const auto chosen = generate_with(0, &auto_stats, 2);
+  std::printf("[fullshape] generation: %zu ids, %lld forwards on one tile; per-step choice ran %lld of %lld "
+              "PreviousStep steps on two tiles\n", one[0].ids.size(), static_cast<long long>(one[0].forwards),
+              static_cast<long long>(auto_stats.two_tile_steps),
+              static_cast<long long>(auto_stats.two_tile_steps + auto_stats.one_tile_steps));
+  EXPECT_GT(auto_stats.two_tile_steps, 0) << "the per-step choice never took two tiles";
+  for (const auto* r : {&two[0], &chosen[0], &chosen[1]}) {
+    EXPECT_EQ(r->ids, one[0].ids);
+    EXPECT_EQ(r->forwards, one[0].forwards);
+    EXPECT_EQ(r->steps_per_block(), one[0].steps_per_block());
   }
 }
 

@@ -60,7 +60,7 @@ struct BenchArgs {
   int tma_stages = 3;  // CudaOptions::tma_experts_stages' default
   bool no_fused_experts = false;
   std::string expert_token_tiles = "auto";  // 1, 2 (CudaOptions::expert_two_token_tiles) or auto
-  int two_tile_heavy = CudaOptions{}.auto_two_token_tiles_heavy;
+  int two_tile_heavy = 0;  // 0: CudaOptions::auto_two_token_tiles_heavy's default
   bool no_pack_gate_up = false, no_pack_down = false, dense_down_first = false, wide_assignment = false,
        overflow_on_side = false, dense_down_side_plan = false, f32_expert_rows = false, dense_tma = false;
   int dense_tma_cluster = 1;  // CudaOptions::dense_tma_cluster
@@ -187,7 +187,8 @@ int run_bench(const BenchArgs& args) {
   opt.tma_experts_first_stride = args.first_stride;
   opt.fused_experts = !args.no_fused_experts;
   opt.expert_two_token_tiles = args.expert_token_tiles == "2";
-  opt.auto_two_token_tiles_heavy = args.expert_token_tiles == "auto" ? args.two_tile_heavy : 0;
+  if (args.two_tile_heavy > 0) opt.auto_two_token_tiles_heavy = args.two_tile_heavy;
+  if (args.expert_token_tiles != "auto") opt.auto_two_token_tiles_heavy = 0;
   opt.pack_expert_gate_up = !args.no_pack_gate_up;
   opt.pack_expert_down = !args.no_pack_down;
   opt.dense_down_last = !args.dense_down_first;
@@ -254,7 +255,7 @@ int run_bench(const BenchArgs& args) {
   out["expert_first_stride"] = args.first_stride;
   out["fused_experts"] = !args.no_fused_experts;
   out["expert_token_tiles"] = args.expert_token_tiles;
-  out["two_tile_heavy"] = args.two_tile_heavy;
+  out["two_tile_heavy"] = opt.auto_two_token_tiles_heavy;
   out["pack_expert_gate_up"] = !args.no_pack_gate_up;
   out["pack_expert_down"] = !args.no_pack_down;
   out["dense_down_last"] = !args.dense_down_first;
