@@ -136,14 +136,15 @@ __device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
 // the same bits whichever block or instance computes it.
 // With GATHER and masks (router_top_k's expert_masks, mask_words = ceil(T / 32) <= 32 words an expert): an expert's
 // tokens are the set bits of its mask in ascending order (the token order moe_assign_padded's slots have), its row
-// count their number capped at 32 (TWO: 64); rows and slot_token are not read. The producer lanes hold one mask word each and
-// find their slot's token with a prefix count, so no assignment kernel stands between the router and gate_up.
+// count their number capped at 32 (TWO: 64); rows and slot_token are not read. The producer lanes hold one mask word
+// each and find their slot's token with a prefix count, so no assignment kernel stands between the router and gate_up.
 
 // TWO (FUSED only; TmaExpertsPlan::two_token_tiles): up to kFusedExpertRows rows an expert, see above. Its second
 // accumulator set takes ~106 registers a thread (the others ~70), which still leaves room for the 256-thread
 // assignment (moe_assign_k, 40 registers) beside three blocks an SM as long as it stays at most 112. Its one-tile path
 // is ~3 us a layer slower than this kernel without TWO (the registers, the extra branches): so it is a separate
-// instantiation, not the default.
+// instantiation, which the backend launches only for steps whose routing concentrates
+// (CudaOptions::auto_two_token_tiles_heavy).
 // TL: also the tile timeline (g_etl; its own instantiation, so the others keep their registers).
 template <bool GATED, int kStages, bool GATHER = false, bool FUSED = false, bool TL = false, bool TWO = false>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -410,7 +411,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (leader && jj == 0) issue_weights(st, full, tile, kt, row_a, row_b, kWBytes, evict_first, down);
             if (leader && jj == 1) mbar_arrive(full);  // a token-only use: the leader's arrival carries no bytes
           }
-          if (leader && kt == 0 && jj == 0) {  // before the leader's lane arrival, which every phase of the stage waits for
+          // before the leader's lane arrival, which every phase of the stage waits for
+          if (leader && kt == 0 && jj == 0) {
             st_shared_s32(slot0 + 8 * s, tile);
             st_shared_s32(slot0 + 8 * s + 4, cnt | (j0 << 8) | (ntt << 12));
           }
