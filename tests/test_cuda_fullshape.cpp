@@ -125,13 +125,32 @@ void report_kv(const Backend& gpu, const SafetensorsFile& ref, const std::string
   }
 }
 
-TEST(CudaFullShape, MatchesHfTransformers) {
-  const char* dir_env = std::getenv("DIFFGEMMA_FULLSHAPE_DIR");
-  if (!dir_env || !*dir_env)
-    GTEST_SKIP() << "set DIFFGEMMA_FULLSHAPE_DIR (tools/reference/make_fullshape_fixture.py output)";
+// The full-shape fixture's directory (DIFFGEMMA_FULLSHAPE_DIR), or "" with why the test skips.
+std::string fullshape_dir(std::string& skip) {
+  const char* dir = std::getenv("DIFFGEMMA_FULLSHAPE_DIR");
+  if (!dir || !*dir) {
+    skip = "set DIFFGEMMA_FULLSHAPE_DIR (tools/reference/make_fullshape_fixture.py output)";
+    return "";
+  }
   auto info = cuda::query_device(0);
-  if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
-  const std::string dir = dir_env;
+  if (!info.available) {
+    skip = "no GPU: " + info.reason;
+    return "";
+  }
+  return dir;
+}
+
+// The fixture's first canvas reduced to its first 4 tokens (64 copies each): experts pass 32 and 64 rows.
+std::vector<int32_t> concentrated_canvas(const nlohmann::json& cased) {
+  auto canvas = cased["canvas1"].get<std::vector<int32_t>>();
+  for (size_t i = 0; i < canvas.size(); ++i) canvas[i] = canvas[i % 4];
+  return canvas;
+}
+
+TEST(CudaFullShape, MatchesHfTransformers) {
+  std::string skip;
+  const std::string dir = fullshape_dir(skip);
+  if (dir.empty()) GTEST_SKIP() << skip;
   auto model = load_model(dir);
   auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
   auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
@@ -180,17 +199,13 @@ TEST(CudaFullShape, MatchesHfTransformers) {
 // overflow kernels (and rows past 64 from the overflow kernels either way). The same math in another order, so the
 // logits must agree to bf16 noise: cosine >= 0.9999 and argmax on >= 99% of the rows.
 TEST(CudaFullShape, ExpertTwoTokenTilesMatchOneTile) {
-  const char* dir_env = std::getenv("DIFFGEMMA_FULLSHAPE_DIR");
-  if (!dir_env || !*dir_env)
-    GTEST_SKIP() << "set DIFFGEMMA_FULLSHAPE_DIR (tools/reference/make_fullshape_fixture.py output)";
-  auto info = cuda::query_device(0);
-  if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
-  const std::string dir = dir_env;
+  std::string skip;
+  const std::string dir = fullshape_dir(skip);
+  if (dir.empty()) GTEST_SKIP() << skip;
   auto model = load_model(dir);
   auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
   auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
-  auto canvas = cased["canvas1"].get<std::vector<int32_t>>();
-  for (size_t i = 0; i < canvas.size(); ++i) canvas[i] = canvas[i % 4];
+  const auto canvas = concentrated_canvas(cased);
   const int L = int(canvas.size()), V = model->config.vocab_size;
   std::vector<DenoiseResult> outs(2);
   for (bool two : {false, true}) {
@@ -223,17 +238,13 @@ TEST(CudaFullShape, ExpertTwoTokenTilesMatchOneTile) {
 // PreviousStep steps after it on two (their logits agree with the one-tile backend's to bf16 noise), and
 // a first step after them on one tile again (bitwise, so each mode keeps its own graphs and buffers intact).
 TEST(CudaFullShape, AutoTokenTilesFollowThePreviousStep) {
-  const char* dir_env = std::getenv("DIFFGEMMA_FULLSHAPE_DIR");
-  if (!dir_env || !*dir_env)
-    GTEST_SKIP() << "set DIFFGEMMA_FULLSHAPE_DIR (tools/reference/make_fullshape_fixture.py output)";
-  auto info = cuda::query_device(0);
-  if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
-  const std::string dir = dir_env;
+  std::string skip;
+  const std::string dir = fullshape_dir(skip);
+  if (dir.empty()) GTEST_SKIP() << skip;
   auto model = load_model(dir);
   auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
   auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
-  auto canvas = cased["canvas1"].get<std::vector<int32_t>>();
-  for (size_t i = 0; i < canvas.size(); ++i) canvas[i] = canvas[i % 4];
+  const auto canvas = concentrated_canvas(cased);
   const int L = int(canvas.size());
   // Per backend: first step (layer graph, logits), PreviousStep (logits), first step (whole-step graph), PreviousStep
   // (whole-step graph), first step (layer graph, logits).
@@ -299,12 +310,9 @@ TEST(CudaFullShape, AutoTokenTilesFollowThePreviousStep) {
 // step (threshold 1, so the concentrated first canvas steps switch): the same generation, token for token and forward
 // for forward, and again after a truncate on the per-step backend.
 TEST(CudaFullShape, GenerationSameWhateverTheTokenTiles) {
-  const char* dir_env = std::getenv("DIFFGEMMA_FULLSHAPE_DIR");
-  if (!dir_env || !*dir_env)
-    GTEST_SKIP() << "set DIFFGEMMA_FULLSHAPE_DIR (tools/reference/make_fullshape_fixture.py output)";
-  auto info = cuda::query_device(0);
-  if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
-  const std::string dir = dir_env;
+  std::string skip;
+  const std::string dir = fullshape_dir(skip);
+  if (dir.empty()) GTEST_SKIP() << skip;
   auto model = load_model(dir);
   auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
   auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();

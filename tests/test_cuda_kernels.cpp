@@ -990,6 +990,23 @@ std::vector<unsigned> expert_masks_of(const std::vector<int32_t>& idx, int T, in
   return m;
 }
 
+// Words of padded row `row` of act (bf16, I wide) and y (f32, H wide) that are no longer the 0xFF poison the test
+// filled them with: a kernel wrote a row it should have left alone.
+int64_t unpoisoned_words(const std::vector<bf16>& act, const std::vector<float>& y, size_t row, int I, int H) {
+  int64_t n = 0;
+  for (int i = 0; i < I; ++i) {
+    uint16_t b;
+    std::memcpy(&b, &act[row * I + i], 2);
+    n += b != 0xFFFF;
+  }
+  for (int h = 0; h < H; ++h) {
+    uint32_t b;
+    std::memcpy(&b, &y[row * H + h], 4);
+    n += b != 0xFFFFFFFFu;
+  }
+  return n;
+}
+
 TEST(CudaKernels, MoeGroupedExperts) {
   REQUIRE_GPU();
   for (auto [T, E, k, H, I] : {std::tuple{37, 6, 2, 40, 24}, std::tuple{300, 16, 4, 136, 72},
@@ -1297,16 +1314,7 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
       for (int t = 0; t < M; ++t) {
         const size_t row = size_t(e) * M + t;
         if (t >= n) {
-          for (int i = 0; i < I; ++i) {
-            uint16_t b;
-            std::memcpy(&b, &a1[row * I + i], 2);
-            padding_written += b != 0xFFFF;
-          }
-          for (int h = 0; h < H; ++h) {
-            uint32_t b;
-            std::memcpy(&b, &y1[row * H + h], 4);
-            padding_written += b != 0xFFFFFFFFu;
-          }
+          padding_written += unpoisoned_words(a1, y1, row, I, H);
           continue;
         }
         for (int i = 0; i < I; ++i) got_a_all.push_back(ha[row * I + i]), lt_a_all.push_back(hlt[row * I + i]);
@@ -1474,16 +1482,7 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
         for (int t = 0; t < MF; ++t) {
           const size_t row = size_t(e) * MF + t;
           if (t >= n) {
-            for (int i = 0; i < I; ++i) {
-              uint16_t b;
-              std::memcpy(&b, &at1[row * I + i], 2);
-              unwritten_bad += b != 0xFFFF;
-            }
-            for (int h = 0; h < H; ++h) {
-              uint32_t b;
-              std::memcpy(&b, &yt1[row * H + h], 4);
-              unwritten_bad += b != 0xFFFFFFFFu;
-            }
+            unwritten_bad += unpoisoned_words(at1, yt1, row, I, H);
             continue;
           }
           if (t < M || (E >= 64 && e % 4 != 0 && e > 2)) continue;  // (at the real shape: every 4th expert, 0, 2)
