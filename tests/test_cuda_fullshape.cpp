@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "backend/cuda/cuda_backend.h"
@@ -140,11 +141,20 @@ std::string fullshape_dir(std::string& skip) {
   return dir;
 }
 
-// The fixture's first canvas reduced to its first 4 tokens (64 copies each): experts pass 32 and 64 rows.
-std::vector<int32_t> concentrated_canvas(const nlohmann::json& cased) {
-  auto canvas = cased["canvas1"].get<std::vector<int32_t>>();
-  for (size_t i = 0; i < canvas.size(); ++i) canvas[i] = canvas[i % 4];
-  return canvas;
+// The fixture's model and prompt, and its first canvas reduced to its first 4 tokens (64 copies each): experts then
+// pass 32 and 64 rows.
+struct ConcentratedCase {
+  std::unique_ptr<LoadedModel> model;
+  std::vector<int32_t> prompt, canvas;
+};
+ConcentratedCase concentrated_case(const std::string& dir) {
+  ConcentratedCase c;
+  c.model = load_model(dir);
+  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
+  c.prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
+  c.canvas = cased["canvas1"].get<std::vector<int32_t>>();
+  for (size_t i = 0; i < c.canvas.size(); ++i) c.canvas[i] = c.canvas[i % 4];
+  return c;
 }
 
 TEST(CudaFullShape, MatchesHfTransformers) {
@@ -202,10 +212,7 @@ TEST(CudaFullShape, ExpertTwoTokenTilesMatchOneTile) {
   std::string skip;
   const std::string dir = fullshape_dir(skip);
   if (dir.empty()) GTEST_SKIP() << skip;
-  auto model = load_model(dir);
-  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
-  auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
-  const auto canvas = concentrated_canvas(cased);
+  const auto [model, prompt, canvas] = concentrated_case(dir);
   const int L = int(canvas.size()), V = model->config.vocab_size;
   std::vector<DenoiseResult> outs(2);
   for (bool two : {false, true}) {
@@ -241,10 +248,7 @@ TEST(CudaFullShape, AutoTokenTilesFollowThePreviousStep) {
   std::string skip;
   const std::string dir = fullshape_dir(skip);
   if (dir.empty()) GTEST_SKIP() << skip;
-  auto model = load_model(dir);
-  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
-  auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
-  const auto canvas = concentrated_canvas(cased);
+  const auto [model, prompt, canvas] = concentrated_case(dir);
   const int L = int(canvas.size());
   // Per backend: first step (layer graph, logits), PreviousStep (logits), first step (whole-step graph), PreviousStep
   // (whole-step graph), first step (layer graph, logits).
