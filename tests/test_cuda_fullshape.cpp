@@ -317,9 +317,9 @@ TEST(CudaFullShape, GenerationSameWhateverTheTokenTiles) {
   std::string skip;
   const std::string dir = fullshape_dir(skip);
   if (dir.empty()) GTEST_SKIP() << skip;
-  auto model = load_model(dir);
-  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
-  auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
+  const ConcentratedCase fixture = concentrated_case(dir);  // its canvas is not used: the block loop draws its own
+  const auto& model = fixture.model;
+  const auto& prompt = fixture.prompt;
   diffusion::GenerationOptions o;
   o.max_new_tokens = 2 * model->config.canvas_length;
   o.validate(model->config);
