@@ -400,6 +400,12 @@ int run_bench(const BenchArgs& args) {
                  static_cast<long long>(timed_tiles.two_tile_steps),
                  static_cast<long long>(timed_tiles.one_tile_steps + timed_tiles.two_tile_steps),
                  timed_tiles.last_heavy);
+    if (timed_tiles.last_heavy > 0) {  // where the routing concentrates (a per-layer choice would follow this)
+      d["expert_tiles"]["heavy_experts_per_layer"] = timed_tiles.last_heavy_per_layer;
+      std::string per_layer;
+      for (int n : timed_tiles.last_heavy_per_layer) per_layer += " " + std::to_string(n);
+      std::fprintf(stderr, "kv %6d: experts past 32 rows by layer:%s\n", ctx, per_layer.c_str());
+    }
   }
 
   // End to end through the block loop: prompt prefill, then every canvas at exactly --fixed-steps denoise steps

@@ -578,7 +578,10 @@ class CudaBackend final : public Backend {
     if (timing_) collect_marks();
     timing_ = false;
     prev_heavy_ = std::accumulate(host_heavy_, host_heavy_ + cfg_.num_layers, 0);
-    if (opt_.tile_stats) opt_.tile_stats->last_heavy = prev_heavy_;
+    if (opt_.tile_stats) {
+      opt_.tile_stats->last_heavy = prev_heavy_;
+      opt_.tile_stats->last_heavy_per_layer.assign(host_heavy_, host_heavy_ + cfg_.num_layers);
+    }
     out.rows.resize(size_t(L));
     for (int r = 0; r < L; ++r) {
       const auto& d = host_stats_[r];

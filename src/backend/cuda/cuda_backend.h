@@ -45,6 +45,7 @@ struct CudaExpertTileStats {
   int64_t one_tile_steps = 0;
   int64_t two_tile_steps = 0;
   int last_heavy = 0;  // (layer, expert) pairs with more than 32 rows in the last denoise step
+  std::vector<int> last_heavy_per_layer;  // the same by layer
   void reset() { *this = CudaExpertTileStats{}; }
 };
 
