@@ -798,7 +798,6 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
   // With the PDL attribute (launch.cuh; dropped while pdl_enabled() is false): the kernel's producer streams its
   // first stages' weights before griddepcontrol.wait (see the kernel).
   auto go = [&](auto kernel, int stages, int grid) {
-    if (grid <= 0) grid = shared_sm_grid(kernel, smem_bytes(stages), plan, tiles);
     const int stride = std::max(plan.first_tile_stride, 1);
     const int first_stride = std::gcd(stride, grid) == 1 ? stride : 1;  // a permutation of [0, grid) or none
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
@@ -807,19 +806,22 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
                plan.claim_ahead, first_stride);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
-    const int grid = 0;  // shared_sm_grid, by the kernel's occupancy
+    // Every SM shared: the grid by the launched kernel's occupancy.
+    auto go_shared = [&](auto kernel, int stages) {
+      go(kernel, stages, shared_sm_grid(kernel, smem_bytes(stages), plan, tiles));
+    };
     if constexpr (FUSED) {
       if (g_etl_buf && plan.stages == kStagesShared3) {  // experts_timeline_begin
-        go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED, true, TWO>, kStagesShared3, grid);
+        go_shared(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED, true, TWO>, kStagesShared3);
         return;
       }
     }
     if (plan.stages == kStagesShared3)
-      go(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED, false, TWO>, kStagesShared3, grid);
+      go_shared(experts_tma_k<GATED, kStagesShared3, GATHER, FUSED, false, TWO>, kStagesShared3);
     else if (plan.stages == kStagesShared5)
-      go(experts_tma_k<GATED, kStagesShared5, GATHER, FUSED, false, TWO>, kStagesShared5, grid);
+      go_shared(experts_tma_k<GATED, kStagesShared5, GATHER, FUSED, false, TWO>, kStagesShared5);
     else
-      go(experts_tma_k<GATED, kStagesShared, GATHER, FUSED, false, TWO>, kStagesShared, grid);
+      go_shared(experts_tma_k<GATED, kStagesShared, GATHER, FUSED, false, TWO>, kStagesShared);
   } else {
     go(experts_tma_k<GATED, kStagesOwn, GATHER, FUSED, false, TWO>, kStagesOwn, std::min(tiles, plan.sms));
   }
