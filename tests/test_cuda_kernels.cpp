@@ -1740,6 +1740,10 @@ TEST(CudaKernels, SoftcapRowStats) {
     auto want_capped = logits;
     cpu::softcap(want_capped.data(), int64_t(want_capped.size()), 30.0f);
     EXPECT_LE(rel_err(run.capped, want_capped), 1e-6) << "V " << V;
+    double worst = 0;  // softcap_rs's ex2 / rcp form: within 1e-6 cap of cap * tanh(x / cap) everywhere
+    for (size_t i = 0; i < logits.size(); ++i)
+      worst = std::max(worst, std::fabs(double(run.capped[i]) - double(want_capped[i])));
+    EXPECT_LE(worst, 1e-6 * 30.0) << "V " << V;
     for (int r = 0; r < rows; ++r) {
       // Stats from the device's own softcapped row, so only the reduction is under test here.
       RowStats w = compute_row_stats(run.capped.data() + size_t(r) * V, V, T);
@@ -1893,6 +1897,70 @@ TEST(CudaKernels, SoftcapRowStatsFusedProbs) {
       CUDA_CHECK(cudaFreeHost(host));
     }
   }
+}
+
+// bf16 logits (logits_bf16, the lm_head's bf16 output): the same bits as f32 logits holding the same values, stats,
+// probs (fused and not, the fused rows' exact fallback included) and capped logits; the f32 buffer only receives the
+// capped values (untouched, or absent, when they are not written).
+TEST(CudaKernels, SoftcapRowStatsBf16Logits) {
+  REQUIRE_GPU();
+  struct Case {
+    int rows, V;
+    float T;
+  };
+  for (Case c : {Case{4, 5003, 0.61f}, Case{3, 20004, 0.4f}, Case{2, 262144, 0.8f}, Case{5, 8193, 0.4f}}) {
+    const int rows = c.rows, V = c.V;
+    const float T = c.T, cap = 30.0f;
+    const size_t n = size_t(rows) * V;
+    auto logits = rnd(n, -60, 60);
+    for (int i = 0; i < V; ++i) logits[size_t(V) + size_t(i)] = -40.0f + 43.0f * float(i % 97) / 96.0f;  // fallback
+    if (rows >= 3) logits[size_t(2) * V + size_t(V - 1)] = 500.0f;
+    if (rows >= 5)
+      for (int i = 0; i < V; ++i) logits[size_t(4) * V + size_t(i)] = -1000.0f;
+    const std::vector<bf16> bits = to_bf16(logits);  // logits now hold the bf16 values
+    Dev<bf16> db(n);
+    db.put(bits);
+    for (bool write_capped : {true, false})
+      for (bool fused : {false, true}) {
+        Dev<float> dl{n}, dc{n}, scale{size_t(rows)}, scale16{size_t(rows)};
+        Dev<DeviceRowStats> st{size_t(rows)}, st16{size_t(rows)};
+        Dev<bf16> probs{n}, probs16{n};
+        Dev<char> scratch(softcap_row_stats_scratch_bytes(rows, V));
+        dl.put(logits);
+        softcap_row_stats(dl.p, rows, V, cap, T, st.p, scratch.p, nullptr, probs.p, write_capped,
+                          fused ? scale.p : nullptr);
+        const auto capped = dl.get();
+        softcap_row_stats(dc.p, rows, V, cap, T, st16.p, scratch.p, nullptr, probs16.p, write_capped,
+                          fused ? scale16.p : nullptr, nullptr, nullptr, db.p);
+        const std::string what = "V " + std::to_string(V) + (write_capped ? " capped" : " raw") +
+                                 (fused ? " fused" : " unfused");
+        EXPECT_EQ(std::memcmp(st16.get().data(), st.get().data(), size_t(rows) * sizeof(DeviceRowStats)), 0) << what;
+        EXPECT_EQ(std::memcmp(probs16.get().data(), probs.get().data(), n * 2), 0) << what;
+        if (fused) EXPECT_EQ(std::memcmp(scale16.get().data(), scale.get().data(), size_t(rows) * 4), 0) << what;
+        const auto out = dc.get();
+        if (write_capped) {
+          EXPECT_EQ(std::memcmp(out.data(), capped.data(), n * 4), 0) << what;
+        } else {
+          const size_t written = size_t(std::count_if(out.begin(), out.end(), [](float x) {
+            uint32_t u;
+            std::memcpy(&u, &x, 4);
+            return u != 0xffffffffu;  // Dev's poison
+          }));
+          EXPECT_EQ(written, 0u) << what << ": the f32 buffer was written";
+          // no f32 buffer at all
+          softcap_row_stats(nullptr, rows, V, cap, T, st16.p, scratch.p, nullptr, probs16.p, false,
+                            fused ? scale16.p : nullptr, nullptr, nullptr, db.p);
+          EXPECT_EQ(std::memcmp(st16.get().data(), st.get().data(), size_t(rows) * sizeof(DeviceRowStats)), 0) << what;
+          EXPECT_EQ(std::memcmp(probs16.get().data(), probs.get().data(), n * 2), 0) << what;
+        }
+      }
+  }
+  Dev<DeviceRowStats> st(1);
+  Dev<char> scratch(softcap_row_stats_scratch_bytes(1, 8));
+  Dev<bf16> db(8);
+  // capped logits asked for without a buffer to hold them
+  EXPECT_ANY_THROW(softcap_row_stats(nullptr, 1, 8, 30.0f, 1.0f, st.p, scratch.p, nullptr, nullptr, true, nullptr,
+                                     nullptr, nullptr, db.p));
 }
 
 // Host oracle of sc_survivors for one row of capped logits with the given max_z / inv_sum.

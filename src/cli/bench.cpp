@@ -48,6 +48,7 @@ struct BenchArgs {
   bool no_softmax_reverse = false;  // cuda::set_softmax_rows_reverse(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   bool no_fused_sc_probs = false;  // CudaOptions::fused_sc_probs = false
+  bool bf16_logits = false;        // CudaOptions::bf16_logits = true
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
@@ -174,6 +175,7 @@ int run_bench(const BenchArgs& args) {
   opt.fused_router = !args.cublas_router;
   opt.gemm_attention = !args.no_gemm_attention;
   opt.fused_sc_probs = !args.no_fused_sc_probs;
+  opt.bf16_logits = args.bf16_logits;
   if (args.dense_mlp_sms >= 0) opt.dense_mlp_sms = args.dense_mlp_sms;
   opt.tma_experts = !args.cublas_experts;
   opt.tma_experts_down = args.tma_experts_down;
@@ -264,6 +266,7 @@ int run_bench(const BenchArgs& args) {
   out["bf16_expert_rows"] = !args.f32_expert_rows;
   out["dense_tma"] = args.dense_tma;
   out["fused_sc_probs"] = !args.no_fused_sc_probs;
+  out["bf16_logits"] = args.bf16_logits;
   out["dense_tma_cluster"] = args.dense_tma_cluster;
   out["narrow_assignment"] = !args.wide_assignment;
   out["tma_l2_promotion"] = args.tma_l2_promotion;
@@ -588,6 +591,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--no-fused-sc-probs", a->no_fused_sc_probs,
                                     "A/B: the SC probs by a second pass over the logits instead of the row-statistics "
                                     "pass (CudaOptions::fused_sc_probs = false)");
+                       sub.add_flag("--bf16-logits", a->bf16_logits,
+                                    "A/B: the lm_head writes bf16 logits (as HF's) instead of f32 "
+                                    "(CudaOptions::bf16_logits)");
                        sub.add_flag("--no-gemm-attention", a->no_gemm_attention,
                                     "A/B: the full layers' denoise attention on the fused kernel instead of two "
                                     "cuBLASLt GEMMs around a softmax (CudaOptions::gemm_attention = false)");

@@ -447,6 +447,11 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
       double(T) * V * 4, 2.0 * T * V * H, [=, &gemm](cudaStream_t st) {
         gemm.linear(x1, Dt::BF16, T, embed, Dt::BF16, V, H, logits, Dt::F32, st);
       });
+  bf16* logits16 = ar.bf16s(size_t(T) * V, 20.0f);
+  add("GEMM lm_head (tied), bf16 out (engine)", tH + " . " + std::to_string(V) + "x" + std::to_string(H) +
+      "^T -> bf16", table + double(T) * V * 2, 2.0 * T * V * H, [=, &gemm](cudaStream_t st) {
+        gemm.linear(x1, Dt::BF16, T, embed, Dt::BF16, V, H, probs, Dt::BF16, st);  // logits16 keeps its values
+      });
   // The same product on kernels_dense_tma.cu with one split (its f32 output is the [T, V] logits as they are): how
   // far our own wgmma mainloop is from cuBLASLt's at a compute-bound shape, the first step towards an lm_head GEMM
   // with the row statistics in its epilogue (docs/PERFORMANCE.md).
@@ -468,6 +473,11 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
   add("softcap_row_stats + fused probs, logits kept", std::to_string(T) + " x " + std::to_string(V),
       double(T) * V * 6, 0, [=](cudaStream_t st) {
         cuda::softcap_row_stats(logits, T, V, 30.0f, 0.8f, stats, scratch, st, probs, false, probs_scale);
+      });
+  add("softcap_row_stats + fused probs, bf16 logits (engine)", std::to_string(T) + " x " + std::to_string(V),
+      double(T) * V * 4, 0, [=](cudaStream_t st) {
+        cuda::softcap_row_stats(nullptr, T, V, 30.0f, 0.8f, stats, scratch, st, probs, false, probs_scale, nullptr,
+                                nullptr, logits16);
       });
   add("softmax_rows_bf16", std::to_string(T) + " x " + std::to_string(V), double(T) * V * 6, 0,
       [=](cudaStream_t st) { cuda::softmax_rows_bf16(logits, T, V, 0.8f, probs, st); });

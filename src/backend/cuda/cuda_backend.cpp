@@ -58,6 +58,7 @@ struct DevLayer {
 struct Scratch {
   int32_t* ids;
   float *h, *xr, *rl, *wk, *sig, *logits;
+  bf16* logits16;  // the lm_head's bf16 logits (CudaOptions::bf16_logits), else null
   float* y;     // the experts' output rows, f32 or (denoise passes, CudaOptions::bf16_expert_rows) bf16
   float* gu32;  // the padded cuBLASLt path's f32 gate/up, before its GELU pass
   bf16 *x, *x1, *xe, *qkv, *q, *kn, *vn, *att, *a, *gu, *actd, *m1, *xs, *acte, *probs;
@@ -788,7 +789,10 @@ class CudaBackend final : public Backend {
       cuda::rms_norm_f32_to_f32(s_.h, L, H, weights_->final_norm_, eps, s_.xr, stream_);
       trace_stage(s_.xr, L);
     }
-    gemm_->linear(s_.x, Dt::BF16, L, weights_->embed_, Dt::BF16, V, H, s_.logits, Dt::F32, stream_);
+    if (s_.logits16)
+      gemm_->linear(s_.x, Dt::BF16, L, weights_->embed_, Dt::BF16, V, H, s_.logits16, Dt::BF16, stream_);
+    else
+      gemm_->linear(s_.x, Dt::BF16, L, weights_->embed_, Dt::BF16, V, H, s_.logits, Dt::F32, stream_);
     mark(kStLmHead);
     // The probs for a PreviousStep SC input of the next step come out of the same pass (softmax at this T). The
     // capped logits are written back only for their readers (the host's categorical sampler, the sparse SC's
@@ -800,7 +804,7 @@ class CudaBackend final : public Backend {
     cuda::softcap_row_stats(s_.logits, L, V, cfg_.final_logit_softcapping, req.temperature, s_.stats,
                             s_.row_stats_scratch, stream_, s_.probs, capped_read,
                             opt_.fused_sc_probs ? s_.probs_scale : nullptr, capturing ? mapped_stats_ : nullptr,
-                            temperature_on_device ? s_.temperature : nullptr);
+                            temperature_on_device ? s_.temperature : nullptr, s_.logits16);
     // Survivors of the next step's sparse SC, with the counts / dropped mass that decide whether it may use them.
     if (opt_.sc_sparse) cuda::sc_survivors(s_.logits, L, V, req.temperature, s_.stats, s_.sc, stream_);
     if (!capturing)
@@ -1229,6 +1233,7 @@ class CudaBackend final : public Backend {
     s_.gu32 = ar.take<float>(pad_rows * 2 * Ie);
     s_.sig = ar.take<float>(Lc * H);
     s_.logits = ar.take<float>(Lc * V);
+    s_.logits16 = opt_.bf16_logits ? ar.take<bf16>(Lc * V) : nullptr;
     for (bf16** p : {&s_.x, &s_.x1, &s_.xe, &s_.a, &s_.m1}) *p = ar.take<bf16>(Tm * H);
     s_.qkv = ar.take<bf16>(Tm * max_qkv);
     s_.q = ar.take<bf16>(Tm * max_q);

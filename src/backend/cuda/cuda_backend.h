@@ -135,6 +135,12 @@ struct CudaOptions {
   // reads the 268 MB of logits again (the full shape). Same math to bf16 rounding (the probs are rounded at another
   // scale). A/B: bench --no-fused-sc-probs.
   bool fused_sc_probs = true;
+  // The lm_head writes its logits in bf16 (as HF's bf16 lm_head does before its f32 softcap, and as the seed keeps
+  // logits), and the row statistics read them (softcap_row_stats' logits_bf16; the capped logits, where something
+  // reads them, are still f32). H200 (session 26): the lm_head 450.6 vs 482.2 us alone, the statistics pass 105.8 vs
+  // 103.7, but the 4K step the same (15.06-15.09 vs 15.07-15.09 ms in alternating runs), and the rounding moved the
+  // well-conditioned tiny-c generation off the f32 CPU oracle's by one token: off. A/B: bench --bf16-logits.
+  bool bf16_logits = false;
   // With overlap_dense_mlp and the masked gate_up: the side stream's assignment (moe_assign_padded) as one block of
   // 256 threads instead of 1024, so that it fits beside the expert kernel's blocks (their registers leave ~23K an SM)
   // and runs while the experts stream instead of after them. Same results. H200, 4K step (docs/BENCHMARKS.md,

@@ -83,9 +83,10 @@ void set_qkv_rope_max_warps(int n);
 void kv_write(const bf16* k_new, const bf16* v_new, int T, int row, int64_t pos0, bf16* k_cache, bf16* v_cache,
               int64_t cap, cudaStream_t s);
 
-// In place: logits = cap * tanh(logits / cap) and per-row stats of z = logits / T (dg::compute_row_stats: argmax with
-// ties -> lower index, max_z, logsumexp, entropy with double accumulation). probs != nullptr: also
-// probs = bf16(expf(z - max_z) * inv_sum), softmax(z) as bf16 (the next step's SC input). Bitwise deterministic.
+// In place: logits = cap * tanh(logits / cap) (to ~1e-6 cap absolute: softcap_rs in kernels_rows.cu) and per-row
+// stats of z = logits / T (dg::compute_row_stats: argmax with ties -> lower index, max_z, logsumexp, entropy with
+// double accumulation). probs != nullptr: also probs = bf16(expf(z - max_z) * inv_sum), softmax(z) as bf16 (the next
+// step's SC input). Bitwise deterministic.
 // scratch: device memory of softcap_row_stats_scratch_bytes(rows, V) bytes (per-tile partials), owned by the caller;
 // two calls must not share it concurrently.
 struct DeviceRowStats {
@@ -109,10 +110,13 @@ size_t softcap_row_stats_scratch_bytes(int rows, int V);
 // temperature_dev != nullptr: the kernels read the temperature from this device float when they run (1 / T and
 // cap / T rounded on the device as the host rounds them: the same bits as passing it), and `temperature` only picks
 // the division variant (softcap_row_stats_variant). A captured step then serves every temperature of its variant.
+// logits_bf16 != nullptr: the raw logits are these bf16 values (an lm_head with bf16 output, as HF's), and `logits`
+// (f32, may be null when write_capped is false) only receives the capped values; the results are the same bits as
+// f32 logits holding the same values.
 void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
                        void* scratch, cudaStream_t s, bf16* probs = nullptr, bool write_capped = true,
                        float* probs_row_scale = nullptr, DeviceRowStats* stats_mirror = nullptr,
-                       const float* temperature_dev = nullptr);
+                       const float* temperature_dev = nullptr, const bf16* logits_bf16 = nullptr);
 // Which kernels softcap_row_stats launches for (softcap, temperature), apart from the shapes: 1 where divisions by
 // cap and T are done by reciprocal (every temperature in [2^-24, 2^24] with cap in [1, 2^24]), 0 otherwise.
 int softcap_row_stats_variant(float softcap, float temperature);

@@ -664,15 +664,20 @@ template <bool kRcp>
 __device__ __forceinline__ float rs_div(float a, float b, float r) {
   return kRcp ? div_rcp(a, b, r) : a / b;
 }
-// cap * tanhf(x / cap). The clamp never binds for a finite x (the residual is far smaller than x; with cap >= 1
-// x rcap cannot overflow); for x = +-inf it turns the residual's NaN into a finite value, so the correction step
-// keeps q = +-inf and the result is +-cap as with the division. A NaN x stays NaN through q.
-template <bool kRcp>
-__device__ __forceinline__ float softcap_rs(float x, float cap, float rcap) {
-  if (!kRcp) return cap * tanhf(x / cap);
-  const float q = __fmul_rn(x, rcap);
-  return cap * tanhf(__fmaf_rn(fmaxf(__fmaf_rn(cap, q, -x), -FLT_MAX), -rcap, q));
+// cap * tanh(x / cap) as cap - 2 cap / (2^(|x| k) + 1) with the sign of x, k = RN(2 log2(e) / cap): one ex2 and one
+// rcp on the MUFU unit and four ALU operations, where cap * tanhf(x / cap) took ~25 (the division, tanhf's branch
+// between a small-|x| polynomial and this same form), half of the statistics pass's instruction issue (session 22).
+// The absolute error stays below ~1e-6 cap (ex2.approx's and rcp.approx's 2^-22 / 2^-23 relative errors carried
+// through the cancellation near x = 0; CudaKernels.SoftcapRowStats checks it against std::tanh), far below the half
+// ulp of a bf16 logit (|x| 2^-9, the rounding HF's lm_head output has). +-inf gives +-cap, NaN stays NaN, +-0 stays.
+__device__ __forceinline__ float softcap_rs(float x, float cap, float k) {
+  float t, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(t) : "f"(fabsf(x) * k));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(t + 1.0f));
+  return copysignf(__fmaf_rn(-2.0f * cap, r, cap), x);
 }
+// k of softcap_rs for a cap, rounded once on the host.
+inline float softcap_k(float cap) { return float(2.0 * 1.4426950408889634 / double(cap)); }
 // 2^x rounded to zero below 2^-126 (ex2.approx.ftz; __expf's ex2.approx without .ftz adds a compare and two
 // multiplies to keep subnormal results, which are nothing next to the sums' largest term, 1).
 __device__ __forceinline__ float ex2_ftz(float x) {
@@ -686,22 +691,33 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 // temperature with the same bits.
 __device__ __forceinline__ void rs_device_temperature(float t, float& T, float& rT) { T = t, rT = __frcp_rn(t); }
 
-// z[4 k + q] = softcapped token base + 4 (threadIdx.x + k kRsThreads) + q of the row, / T; -inf past V. The capped
-// values are written back. kVec: V % 4 == 0 (16-byte aligned rows); kFull: the whole tile is inside the row.
-template <bool kVec, bool kFull, bool kRcp>
-__device__ __forceinline__ void rs_tile_z(float* row, int V, int base, float cap, float rcap, float T, float rT,
-                                          float (&z)[kRsVec * 4], bool write) {
+// Four tokens of a row from index 4 c on, as f32 (16-byte loads of f32 logits, 8-byte loads of bf16 ones: the same
+// tokens a thread, so the bf16 logits give the same statistics bits as f32 logits holding the same values).
+__device__ __forceinline__ float4 rs_ld4(const float* p, int c) { return reinterpret_cast<const float4*>(p)[c]; }
+__device__ __forceinline__ float4 rs_ld4(const bf16* p, int c) {
+  const uint2 u = reinterpret_cast<const uint2*>(p)[c];
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                     __uint_as_float(u.y & 0xffff0000u));
+}
+__device__ __forceinline__ float rs_ld1(const float* p, int i) { return p[i]; }
+__device__ __forceinline__ float rs_ld1(const bf16* p, int i) { return __bfloat162float(p[i]); }
+
+// z[4 k + q] = softcapped token base + 4 (threadIdx.x + k kRsThreads) + q of the row `in`, / T; -inf past V. The
+// capped values are written to `capped` (f32; the same row as `in` when the logits are f32) when `write`. kVec:
+// V % 4 == 0 (aligned rows); kFull: the whole tile is inside the row.
+template <bool kVec, bool kFull, bool kRcp, class In>
+__device__ __forceinline__ void rs_tile_z(const In* in, float* capped, int V, int base, float cap, float ck, float T,
+                                          float rT, float (&z)[kRsVec * 4], bool write) {
   if constexpr (kVec && kFull) {
-    float4* row4 = reinterpret_cast<float4*>(row + base) + threadIdx.x;
     float4 x[kRsVec];
 #pragma unroll
-    for (int k = 0; k < kRsVec; ++k) x[k] = row4[k * kRsThreads];
+    for (int k = 0; k < kRsVec; ++k) x[k] = rs_ld4(in, base / 4 + threadIdx.x + k * kRsThreads);
 #pragma unroll
     for (int k = 0; k < kRsVec; ++k) {
       float4 c = x[k];
-      c.x = softcap_rs<kRcp>(c.x, cap, rcap), c.y = softcap_rs<kRcp>(c.y, cap, rcap);
-      c.z = softcap_rs<kRcp>(c.z, cap, rcap), c.w = softcap_rs<kRcp>(c.w, cap, rcap);
-      if (write) row4[k * kRsThreads] = c;
+      c.x = softcap_rs(c.x, cap, ck), c.y = softcap_rs(c.y, cap, ck);
+      c.z = softcap_rs(c.z, cap, ck), c.w = softcap_rs(c.w, cap, ck);
+      if (write) reinterpret_cast<float4*>(capped)[base / 4 + threadIdx.x + k * kRsThreads] = c;
       z[4 * k] = rs_div<kRcp>(c.x, T, rT), z[4 * k + 1] = rs_div<kRcp>(c.y, T, rT);  // division, as compute_row_stats
       z[4 * k + 2] = rs_div<kRcp>(c.z, T, rT), z[4 * k + 3] = rs_div<kRcp>(c.w, T, rT);
     }
@@ -712,18 +728,18 @@ __device__ __forceinline__ void rs_tile_z(float* row, int V, int base, float cap
       float c[4];
       if (kVec) {
         if (i0 < V) {
-          float4 x = reinterpret_cast<const float4*>(row)[i0 / 4];
-          x.x = softcap_rs<kRcp>(x.x, cap, rcap), x.y = softcap_rs<kRcp>(x.y, cap, rcap);
-          x.z = softcap_rs<kRcp>(x.z, cap, rcap), x.w = softcap_rs<kRcp>(x.w, cap, rcap);
-          if (write) reinterpret_cast<float4*>(row)[i0 / 4] = x;
+          float4 x = rs_ld4(in, i0 / 4);
+          x.x = softcap_rs(x.x, cap, ck), x.y = softcap_rs(x.y, cap, ck);
+          x.z = softcap_rs(x.z, cap, ck), x.w = softcap_rs(x.w, cap, ck);
+          if (write) reinterpret_cast<float4*>(capped)[i0 / 4] = x;
           c[0] = x.x, c[1] = x.y, c[2] = x.z, c[3] = x.w;
         }
       } else {
 #pragma unroll
         for (int q = 0; q < 4; ++q)
           if (i0 + q < V) {
-            c[q] = softcap_rs<kRcp>(row[i0 + q], cap, rcap);
-            if (write) row[i0 + q] = c[q];
+            c[q] = softcap_rs(rs_ld1(in, i0 + q), cap, ck);
+            if (write) capped[i0 + q] = c[q];
           }
       }
 #pragma unroll
@@ -732,24 +748,25 @@ __device__ __forceinline__ void rs_tile_z(float* row, int V, int base, float cap
   }
 }
 
-// Partial (tile, warp) of row r at part[(r * tiles + tile) * kRsWarps + warp]. rcap, rT: RN(1 / cap), RN(1 / T).
+// Partial (tile, warp) of row r at part[(r * tiles + tile) * kRsWarps + warp]. ck: softcap_k(cap); rT: RN(1 / T).
 // probs != nullptr: also probs = bf16(exp(z - ref)) for a ref fixed before the pass (the fused SC probs, below).
-template <bool kVec, bool kRcp, bool kFastExp>
-__global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(float* logits, int V, float cap, float rcap,
-                                                              float temperature, float rT, RowPartial* part,
-                                                              bool write_capped, bf16* probs, float ref,
-                                                              const float* t_dev) {
+template <bool kVec, bool kRcp, bool kFastExp, class In>
+__global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(const In* logits, float* capped, int V, float cap,
+                                                              float ck, float temperature, float rT,
+                                                              RowPartial* part, bool write_capped, bf16* probs,
+                                                              float ref, const float* t_dev) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   if (t_dev) rs_device_temperature(*t_dev, temperature, rT), ref = __fdiv_rn(cap, temperature);
   const int tile = blockIdx.x, r = blockIdx.y;
-  float* row = logits + size_t(r) * V;
+  const In* row = logits + size_t(r) * V;
+  float* capped_row = capped + size_t(r) * V;
   const int base = tile * kRsTile;
   float z[kRsVec * 4];
   if (base + kRsTile <= V)
-    rs_tile_z<kVec, true, kRcp>(row, V, base, cap, rcap, temperature, rT, z, write_capped);
+    rs_tile_z<kVec, true, kRcp>(row, capped_row, V, base, cap, ck, temperature, rT, z, write_capped);
   else
-    rs_tile_z<kVec, false, kRcp>(row, V, base, cap, rcap, temperature, rT, z, write_capped);
+    rs_tile_z<kVec, false, kRcp>(row, capped_row, V, base, cap, ck, temperature, rT, z, write_capped);
   // a thread's tokens come in ascending index: strict > keeps the lowest index of equal maxima; -inf (past V) and
   // NaN never win
   float bv = -INFINITY;
@@ -834,21 +851,20 @@ __device__ __forceinline__ void block_sum2(double& a, double& b) {
 // probs[i] = bf16(expf(z - M) * inv) of token i of a row, z = softcap(x) / T (x already capped unless raw): the
 // normalized SC probs of the unfused path, bitwise.
 template <bool kRcp>
-__device__ __forceinline__ float exact_prob(float x, bool raw, float cap, float rcap, float T, float rT, float M,
+__device__ __forceinline__ float exact_prob(float x, bool raw, float cap, float ck, float T, float rT, float M,
                                             float inv) {
-  if (raw) x = softcap_rs<kRcp>(x, cap, rcap);
+  if (raw) x = softcap_rs(x, cap, ck);
   return expf(rs_div<kRcp>(x, T, rT) - M) * inv;
 }
 
-// out[i] = bf16(p1(row[i])) over the kRsTile tokens from base: a full tile with all eight 16-byte loads of a thread
-// in flight before the arithmetic (kVec), a ragged one token by token.
-template <bool kVec, class P>
-__device__ __forceinline__ void write_probs_tile(const float* row, bf16* out, int V, int base, P p1) {
+// out[i] = bf16(p1(row[i])) over the kRsTile tokens from base: a full tile with all eight loads of a thread in flight
+// before the arithmetic (kVec), a ragged one token by token. Row: f32 or bf16 logits.
+template <bool kVec, class Row, class P>
+__device__ __forceinline__ void write_probs_tile(const Row* row, bf16* out, int V, int base, P p1) {
   if (kVec && base + kRsTile <= V) {
-    const float4* row4 = reinterpret_cast<const float4*>(row + base) + threadIdx.x;
     float4 x[kRsVec];
 #pragma unroll
-    for (int k = 0; k < kRsVec; ++k) x[k] = row4[k * kRsThreads];
+    for (int k = 0; k < kRsVec; ++k) x[k] = rs_ld4(row, base / 4 + threadIdx.x + k * kRsThreads);
 #pragma unroll
     for (int k = 0; k < kRsVec; ++k)
       st4(out, base / 4 + threadIdx.x + k * kRsThreads, make_float4(p1(x[k].x), p1(x[k].y), p1(x[k].z), p1(x[k].w)));
@@ -859,13 +875,13 @@ __device__ __forceinline__ void write_probs_tile(const float* row, bf16* out, in
     const int i0 = base + 4 * (threadIdx.x + k * kRsThreads);
     if (kVec) {
       if (i0 < V) {
-        const float4 x = reinterpret_cast<const float4*>(row)[i0 / 4];
+        const float4 x = rs_ld4(row, i0 / 4);
         st4(out, i0 / 4, make_float4(p1(x.x), p1(x.y), p1(x.z), p1(x.w)));
       }
     } else {
 #pragma unroll
       for (int q = 0; q < 4; ++q)
-        if (i0 + q < V) out[i0 + q] = __float2bfloat16(p1(row[i0 + q]));
+        if (i0 + q < V) out[i0 + q] = __float2bfloat16(p1(rs_ld1(row, i0 + q)));
     }
   }
 }
@@ -881,9 +897,10 @@ constexpr double kFusedProbsMaxGap = 60.0;
 struct FusedProbs {
   bf16* probs;  // null: no fused probs
   float* scale;
-  const float* logits;
+  const float* logits;   // f32 logits: capped unless raw
+  const bf16* logits16;  // non-null: the raw logits are these bf16 values (raw is then true)
   int V;
-  float T, rT, cap, rcap, ref;
+  float T, rT, cap, ck, ref;
   bool raw, rcp;
   const float* t_dev;  // non-null: T, rT and ref from *t_dev (rs_device_temperature)
   bool vec;            // V % 4 == 0 with 16-byte aligned logits and 8-byte aligned probs rows
@@ -929,40 +946,45 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_merge_k(const RowPartial*
     return;
   }
   const float M = bv, inv = float(1.0 / S);
-  const float* row = fp.logits + size_t(r) * fp.V;
   bf16* out = fp.probs + size_t(r) * fp.V;
   auto p1 = [&](float x) {
-    return fp.rcp ? exact_prob<true>(x, fp.raw, fp.cap, fp.rcap, fp.T, fp.rT, M, inv)
-                  : exact_prob<false>(x, fp.raw, fp.cap, fp.rcap, fp.T, fp.rT, M, inv);
+    return fp.rcp ? exact_prob<true>(x, fp.raw, fp.cap, fp.ck, fp.T, fp.rT, M, inv)
+                  : exact_prob<false>(x, fp.raw, fp.cap, fp.ck, fp.T, fp.rT, M, inv);
   };
   // One block streams the whole row (1 MB of logits at the full vocabulary) tile by tile, as rowstats_probs_k does:
   // one load at a time a thread, the rewrite was bound by its latency (~270 us a row on the H200).
-  for (int base = 0; base < fp.V; base += kRsTile) {
-    if (fp.vec)
-      write_probs_tile<true>(row, out, fp.V, base, p1);
-    else
-      write_probs_tile<false>(row, out, fp.V, base, p1);
-  }
+  auto rewrite = [&](auto row) {
+    for (int base = 0; base < fp.V; base += kRsTile) {
+      if (fp.vec)
+        write_probs_tile<true>(row, out, fp.V, base, p1);
+      else
+        write_probs_tile<false>(row, out, fp.V, base, p1);
+    }
+  };
+  if (fp.logits16)
+    rewrite(fp.logits16 + size_t(r) * fp.V);
+  else
+    rewrite(fp.logits + size_t(r) * fp.V);
   if (threadIdx.x == 0) fp.scale[r] = 1.0f;
 }
 
-template <bool kVec, bool kRcp>
-__global__ void __launch_bounds__(kRsThreads) rowstats_probs_k(const float* logits, int rows, int V, int tiles,
+template <bool kVec, bool kRcp, class Row>
+__global__ void __launch_bounds__(kRsThreads) rowstats_probs_k(const Row* logits, int rows, int V, int tiles,
                                                                float temperature, float rT,
                                                                const DeviceRowStats* stats, bf16* probs,
-                                                               bool raw, float cap, float rcap,
+                                                               bool raw, float cap, float ck,
                                                                const float* t_dev) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   if (t_dev) rs_device_temperature(*t_dev, temperature, rT);
   const int tile = tiles - 1 - int(blockIdx.x), r = rows - 1 - int(blockIdx.y);  // reverse: L2-resident tiles first
-  const float* row = logits + size_t(r) * V;
+  const Row* row = logits + size_t(r) * V;
   bf16* out = probs + size_t(r) * V;
   const float M = stats[r].max_z, inv = stats[r].inv_sum;
   const int base = tile * kRsTile;
   // raw: the logits were left uncapped (write_capped false): the same softcap_rs as the stats pass, so the same bits
   write_probs_tile<kVec>(row, out, V, base,
-                         [&](float x) { return exact_prob<kRcp>(x, raw, cap, rcap, temperature, rT, M, inv); });
+                         [&](float x) { return exact_prob<kRcp>(x, raw, cap, ck, temperature, rT, M, inv); });
 }
 
 // Whether div_rcp may stand in for the divisions by cap and T: no reciprocal, quotient or residual overflows, and
@@ -1247,7 +1269,7 @@ size_t softcap_row_stats_scratch_bytes(int rows, int V) {
 }
 void softcap_row_stats(float* logits, int rows, int V, float softcap, float temperature, DeviceRowStats* stats,
                        void* scratch, cudaStream_t s, bf16* probs, bool write_capped, float* probs_row_scale,
-                       DeviceRowStats* stats_mirror, const float* temperature_dev) {
+                       DeviceRowStats* stats_mirror, const float* temperature_dev, const bf16* logits_bf16) {
   char msg[160];
   if (rows < 0 || rows > 65535 || V < 1) {
     std::snprintf(msg, sizeof msg, "rows %d must be in [0, 65535] and V %d >= 1", rows, V);
@@ -1259,29 +1281,51 @@ void softcap_row_stats(float* logits, int rows, int V, float softcap, float temp
   }
   if (rows == 0) return;
   if (!scratch) throw_cuda_error("softcap_row_stats", "no scratch (softcap_row_stats_scratch_bytes)", 0, __FILE__, __LINE__);
+  if (!logits && (write_capped || !logits_bf16))
+    throw_cuda_error("softcap_row_stats", "no f32 logits buffer (the input, or where the capped logits go)", 0,
+                     __FILE__, __LINE__);
   const int tiles = (V + kRsTile - 1) / kRsTile;
   auto* part = static_cast<RowPartial*>(scratch);
   const dim3 grid{unsigned(tiles), unsigned(rows)};
-  const bool vec = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
+  const bool bf16_in = logits_bf16 != nullptr;
+  const bool vec = V % 4 == 0 && (!bf16_in || reinterpret_cast<uintptr_t>(logits_bf16) % 8 == 0) &&
+                   ((bf16_in && !write_capped) || reinterpret_cast<uintptr_t>(logits) % 16 == 0) &&
                    (!probs || reinterpret_cast<uintptr_t>(probs) % 8 == 0);
   // IEEE divisions (the kernels' slow variant) outside the range where div_rcp was shown to give the same bits
   const bool rcp = rs_rcp_ok(softcap, temperature);
-  const float rcap = 1.0f / softcap, rT = 1.0f / temperature;  // host f32 division: RN(1 / x)
-  auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kRsFastExp> : rowstats_tile_k<true, false, kRsFastExp>)
-                     : (rcp ? rowstats_tile_k<false, true, kRsFastExp> : rowstats_tile_k<false, false, kRsFastExp>);
+  const float ck = softcap_k(softcap), rT = 1.0f / temperature;  // host f32 division: RN(1 / x)
   const bool fused = probs && probs_row_scale;
-  const FusedProbs fp{fused ? probs : nullptr, probs_row_scale, logits, V, temperature, rT, softcap, rcap,
-                      softcap / temperature, !write_capped, rcp, temperature_dev, vec};
-  launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, s, logits, V, softcap, rcap, temperature, rT, part,
-             write_capped, fp.probs, fp.ref, temperature_dev);
+  // Re-reads (the merge's exact fallback, the unfused probs pass) take the raw input where it is bf16: half the bytes,
+  // the same softcap_rs bits as the capped f32 copy.
+  const bool raw = bf16_in || !write_capped;
+  const FusedProbs fp{fused ? probs : nullptr, probs_row_scale, logits, logits_bf16, V, temperature, rT, softcap, ck,
+                      softcap / temperature, raw, rcp, temperature_dev, vec};
+  if (bf16_in) {
+    auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kRsFastExp, bf16> : rowstats_tile_k<true, false, kRsFastExp, bf16>)
+                       : (rcp ? rowstats_tile_k<false, true, kRsFastExp, bf16> : rowstats_tile_k<false, false, kRsFastExp, bf16>);
+    launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, s, logits_bf16, logits, V, softcap, ck, temperature, rT, part,
+               write_capped, fp.probs, fp.ref, temperature_dev);
+  } else {
+    auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kRsFastExp, float> : rowstats_tile_k<true, false, kRsFastExp, float>)
+                       : (rcp ? rowstats_tile_k<false, true, kRsFastExp, float> : rowstats_tile_k<false, false, kRsFastExp, float>);
+    launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, s, static_cast<const float*>(logits), logits, V, softcap, ck,
+               temperature, rT, part, write_capped, fp.probs, fp.ref, temperature_dev);
+  }
   CUDA_CHECK_LAUNCH();
   launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, s, part, tiles * kRsWarps, stats, fp, stats_mirror);
   CUDA_CHECK_LAUNCH();
   if (probs && !fused) {
-    auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true> : rowstats_probs_k<true, false>)
-                        : (rcp ? rowstats_probs_k<false, true> : rowstats_probs_k<false, false>);
-    launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, s, logits, rows, V, tiles, temperature, rT, stats, probs,
-               !write_capped, softcap, rcap, temperature_dev);
+    if (bf16_in) {
+      auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true, bf16> : rowstats_probs_k<true, false, bf16>)
+                          : (rcp ? rowstats_probs_k<false, true, bf16> : rowstats_probs_k<false, false, bf16>);
+      launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, s, logits_bf16, rows, V, tiles, temperature, rT, stats,
+                 probs, true, softcap, ck, temperature_dev);
+    } else {
+      auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true, float> : rowstats_probs_k<true, false, float>)
+                          : (rcp ? rowstats_probs_k<false, true, float> : rowstats_probs_k<false, false, float>);
+      launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, s, static_cast<const float*>(logits), rows, V, tiles,
+                 temperature, rT, stats, probs, !write_capped, softcap, ck, temperature_dev);
+    }
     CUDA_CHECK_LAUNCH();
   }
 }

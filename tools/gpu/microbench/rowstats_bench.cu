@@ -4,14 +4,15 @@
 //    sums, one partial per tile after four barriers), copied below, vs new: the kernels in kernels_rows.cu, both the
 //    shipped exp (kRsFastExp) and the other one ("new-alt"), through the same launcher logic;
 //  - device checks of the arithmetic: div_rcp against the IEEE division for every float a with b = cap = 30 and
-//    every |a| <= 1e4 with 67 values of T (no mismatch allowed for |a| >= 2^-102), softcap_rs against
-//    cap * tanhf(x / cap) for all 2^32 bit patterns x (none allowed for |x| >= 2^-100);
+//    every |a| <= 1e4 with 67 values of T (no mismatch allowed for |a| >= 2^-102), softcap_rs (its ex2 / rcp form)
+//    against cap * tanhf(x / cap) for all 2^32 bit patterns x (within 1e-6 cap for every finite x);
 //  - per case (random rows at the denoise shape, the unit test's rows with ties, peaked rows, the scalar / tail
 //    paths, a row of specials: +-inf, NaN, +-0, subnormals, 3e38; a cap < 1 that takes the IEEE fallback):
-//    new vs prev capped logits bitwise, argmax / max_z equal, entropy / logsumexp / inv_sum relative to prev
-//    (limit 1e-6 for the shipped variant), each implementation against the CPU oracle (a copy of
-//    dg::compute_row_stats, limit 1e-5 as CudaKernels.SoftcapRowStats), bf16 probs vs prev (at most 1 bit, on
-//    fewer than 1e-3 of the tokens), and bitwise determinism of two runs;
+//    new vs prev capped logits within 1e-6 cap (prev: tanhf), argmax equal but between values prev had within
+//    2e-6 cap, entropy / logsumexp / inv_sum relative to prev (limit 1e-5 for the shipped variant), each
+//    implementation against the CPU oracle (a copy of dg::compute_row_stats, limit 1e-5 as
+//    CudaKernels.SoftcapRowStats), bf16 probs vs prev (at most 1 bit, on
+//    fewer than 10% of the tokens), and bitwise determinism of two runs;
 //  - timings at 256 x 262144: medians of CUDA-event timings, the logits re-copied from a pristine buffer before every
 //    rep (the in-place softcap must not see capped input);
 //  - sparse SC: sc_survivors + sc_gather_sum on peaked rows (few / ~1-2k survivors per row), timed; the exact path
@@ -324,23 +325,27 @@ __global__ void div_check_k(float b, float r, uint32_t hi, unsigned long long* c
   }
   if ((threadIdx.x & 31) == 0) atomicAdd(cnt, big), atomicAdd(cnt + 1, small), atomicAdd(cnt + 2, n);
 }
-// softcap_rs<true> vs cap * tanhf(x / cap) over all 2^32 x (two NaNs count as equal). cnt as above with 2^-100.
-__global__ void softcap_check_k(float cap, float rcap, unsigned long long* cnt) {
-  unsigned long long big = 0, small = 0, n = 0;
+// softcap_rs (ex2 / rcp form) vs cap * tanhf(x / cap) over all 2^32 x: cnt[0] how many finite x are more than
+// tol apart, cnt[1] the largest |difference| (as float bits: non-negative floats order as integers), cnt[2] x checked.
+__global__ void softcap_check_k(float cap, float ck, float tol, unsigned long long* cnt) {
+  unsigned long long over = 0, n = 0;
+  float worst = 0;
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i <= 0xffffffffull;
        i += uint64_t(gridDim.x) * blockDim.x) {
     const float x = __uint_as_float(uint32_t(i));
-    const float want = softcap_rs<false>(x, cap, 0.0f), got = softcap_rs<true>(x, cap, rcap);
+    if (!isfinite(x)) continue;
+    const float d = fabsf(softcap_rs(x, cap, ck) - cap * tanhf(x / cap));
     ++n;
-    if (__float_as_uint(want) != __float_as_uint(got) && !(isnan(want) && isnan(got)))
-      (fabsf(x) >= 0x1p-100f ? big : small) += 1;
+    over += d > tol;
+    worst = fmaxf(worst, d);
   }
   for (int o = 16; o > 0; o >>= 1) {
-    big += __shfl_xor_sync(0xffffffffu, big, o);
-    small += __shfl_xor_sync(0xffffffffu, small, o);
+    over += __shfl_xor_sync(0xffffffffu, over, o);
     n += __shfl_xor_sync(0xffffffffu, n, o);
+    worst = fmaxf(worst, __shfl_xor_sync(0xffffffffu, worst, o));
   }
-  if ((threadIdx.x & 31) == 0) atomicAdd(cnt, big), atomicAdd(cnt + 1, small), atomicAdd(cnt + 2, n);
+  if ((threadIdx.x & 31) == 0)
+    atomicAdd(cnt, over), atomicMax(cnt + 1, (unsigned long long)__float_as_uint(worst)), atomicAdd(cnt + 2, n);
 }
 
 struct Timer {
@@ -410,18 +415,19 @@ void new_variant(float* logits, int rows, int V, float cap, float T, DeviceRowSt
   const bool vec = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
                    (!probs || reinterpret_cast<uintptr_t>(probs) % 8 == 0);
   const bool rcp = rs_rcp_ok(cap, T);
-  const float rcap = 1.0f / cap, rT = 1.0f / T;
-  auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kFastExp> : rowstats_tile_k<true, false, kFastExp>)
-                     : (rcp ? rowstats_tile_k<false, true, kFastExp> : rowstats_tile_k<false, false, kFastExp>);
-  launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, nullptr, logits, V, cap, rcap, T, rT, part, true,
+  const float ck = softcap_k(cap), rT = 1.0f / T;
+  auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kFastExp, float> : rowstats_tile_k<true, false, kFastExp, float>)
+                     : (rcp ? rowstats_tile_k<false, true, kFastExp, float> : rowstats_tile_k<false, false, kFastExp, float>);
+  launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, nullptr, static_cast<const float*>(logits), logits, V, cap, ck,
+             T, rT, part, true,
              static_cast<bf16*>(nullptr), 0.0f, static_cast<const float*>(nullptr));
   launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, nullptr, part, tiles * kRsWarps, stats, FusedProbs{},
              static_cast<DeviceRowStats*>(nullptr));
   if (probs) {
-    auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true> : rowstats_probs_k<true, false>)
-                        : (rcp ? rowstats_probs_k<false, true> : rowstats_probs_k<false, false>);
-    launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, nullptr, logits, rows, V, tiles, T, rT, stats, probs, false,
-               cap, rcap, static_cast<const float*>(nullptr));
+    auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true, float> : rowstats_probs_k<true, false, float>)
+                        : (rcp ? rowstats_probs_k<false, true, float> : rowstats_probs_k<false, false, float>);
+    launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, nullptr, static_cast<const float*>(logits), rows, V, tiles,
+               T, rT, stats, probs, false, cap, ck, static_cast<const float*>(nullptr));
   }
   CUDA_CHECK(cudaGetLastError());
 }
@@ -477,14 +483,21 @@ void check_case(const char* name, const Bufs& b, int R, int V, float cap, float 
   const auto input = get(b.src, b.n);
   Out o[3];
   for (int im = 0; im < 3; ++im) o[im] = run_once(b, Impl(im), R, V, cap, T);
-  // capped logits: bitwise, but for inputs below 2^-100 (div_rcp's one-ulp range)
+  // capped logits: within softcap_rs's 1e-6 cap of prev's tanhf (non-finite inputs: the same bits)
   for (int im : {kNew, kNewAlt}) {
-    size_t diff = 0, diff_tiny = 0;
-    for (size_t i = 0; i < b.n; ++i)
-      if (!same(o[im].capped[i], o[kPrev].capped[i])) ++(std::fabs(input[i]) >= 0x1p-100f ? diff : diff_tiny);
-    std::printf("  %-7s capped logits vs prev: %zu of %zu differ (|x| >= 2^-100), %zu below 2^-100\n", impl_name[im],
-                diff, b.n, diff_tiny);
-    CHECK_TRUE(diff == 0, "%s: %s capped logits differ from prev's", name, impl_name[im]);
+    size_t over = 0;
+    double worst = 0;
+    for (size_t i = 0; i < b.n; ++i) {
+      if (!std::isfinite(input[i])) {
+        over += !same(o[im].capped[i], o[kPrev].capped[i]);
+        continue;
+      }
+      const double d = std::fabs(double(o[im].capped[i]) - o[kPrev].capped[i]);
+      worst = std::max(worst, d), over += d > 1e-6 * cap;
+    }
+    std::printf("  %-7s capped logits vs prev: largest |difference| %.3g, %zu of %zu over 1e-6 cap\n",
+                impl_name[im], worst, over, b.n);
+    CHECK_TRUE(over == 0, "%s: %s capped logits more than 1e-6 cap from prev's", name, impl_name[im]);
   }
   // stats vs prev
   for (int im : {kNew, kNewAlt}) {
@@ -492,7 +505,12 @@ void check_case(const char* name, const Bufs& b, int R, int V, float cap, float 
     double de = 0, dl = 0, di = 0;
     for (int r = 0; r < R; ++r) {
       const auto &g = o[im].st[size_t(r)], &w = o[kPrev].st[size_t(r)];
-      arg_diff += g.argmax != w.argmax || !same(g.max_z, w.max_z);
+      // the argmax may move only between tokens whose capped values prev had within 2e-6 cap
+      if (g.argmax != w.argmax) {
+        const float* pc = o[kPrev].capped.data() + size_t(r) * V;
+        arg_diff += !(std::fabs(double(pc[g.argmax]) - pc[w.argmax]) <= 2e-6 * cap);
+      }
+      arg_diff += !(std::fabs(double(g.max_z) - w.max_z) <= 1e-6 * cap / T) && !same(g.max_z, w.max_z);
       if (std::isfinite(w.entropy) && std::isfinite(w.logsumexp)) {
         de = std::max(de, rel(g.entropy, w.entropy)), dl = std::max(dl, rel(g.logsumexp, w.logsumexp));
         di = std::max(di, std::fabs(double(g.inv_sum) - w.inv_sum) / std::max(1e-30, double(w.inv_sum)));
@@ -500,12 +518,12 @@ void check_case(const char* name, const Bufs& b, int R, int V, float cap, float 
         arg_diff += !(same(g.entropy, w.entropy) && same(g.logsumexp, w.logsumexp));  // NaN rows: NaN alike
       }
     }
-    const bool ok = de <= 1e-6 && dl <= 1e-6;
+    const bool ok = de <= 1e-5 && dl <= 1e-5;
     std::printf("  %-7s stats vs prev: argmax/max_z (or non-finite stats) differ in %d rows; max |d|/max(1,|prev|): "
-                "entropy %.3g, logsumexp %.3g (limit 1e-6: %s); inv_sum max rel %.3g\n",
+                "entropy %.3g, logsumexp %.3g (limit 1e-5: %s); inv_sum max rel %.3g\n",
                 impl_name[im], arg_diff, de, dl, ok ? "ok" : (im == kNew ? "FAIL" : "over"), di);
     CHECK_TRUE(arg_diff == 0, "%s: %s argmax / max_z differ from prev's in %d rows", name, impl_name[im], arg_diff);
-    if (im == kNew) CHECK_TRUE(ok, "%s: new entropy / logsumexp more than 1e-6 from prev's", name);
+    if (im == kNew) CHECK_TRUE(ok, "%s: new entropy / logsumexp more than 1e-5 from prev's", name);
   }
   // each against the CPU oracle on its own capped rows
   for (int im = 0; im < 3; ++im) {
@@ -538,7 +556,8 @@ void check_case(const char* name, const Bufs& b, int R, int V, float cap, float 
     }
     std::printf("  %-7s bf16 probs vs prev: %zu of %zu differ, by at most %d in the last bit\n", impl_name[im], diff,
                 b.n, max_bits);
-    CHECK_TRUE(max_bits <= 1 && double(diff) <= 1e-3 * double(b.n), "%s: %s probs vs prev", name, impl_name[im]);
+    // the softcap's ~1e-6 cap moves z by ~1e-5: a token's bf16 rounding flips by one bit now and then
+    CHECK_TRUE(max_bits <= 1 && double(diff) <= 0.1 * double(b.n), "%s: %s probs vs prev", name, impl_name[im]);
   }
   // determinism of the shipped one
   const Out again = run_once(b, kNew, R, V, cap, T);
@@ -610,9 +629,14 @@ int main() {
     std::printf("div_rcp vs IEEE a / T, %zu T in [0.3, 1] (+ 0.61, 0.8, 5.96e-8), every |a| <= 1e4: %llu pairs, %llu "
                 "apart with |a| >= 2^-102, %llu below\n", Ts.size(), n, big, small);
     CHECK_TRUE(big == 0, "div_rcp differs from a / T above 2^-102");
-    c = counts([&] { softcap_check_k<<<132 * 16, 256>>>(cap, 1.0f / cap, cnt); });
-    std::printf("softcap_rs vs 30 tanhf(x / 30), all 2^32 x: %llu apart with |x| >= 2^-100, %llu below\n", c[0], c[1]);
-    CHECK_TRUE(c[0] == 0, "softcap_rs differs from cap * tanhf(x / cap) above 2^-100");
+    const float tol = 1e-6f * cap;
+    c = counts([&] { softcap_check_k<<<132 * 16, 256>>>(cap, softcap_k(cap), tol, cnt); });
+    float worst;
+    const uint32_t wb = uint32_t(c[1]);
+    std::memcpy(&worst, &wb, 4);
+    std::printf("softcap_rs vs 30 tanhf(x / 30), all %llu finite x: largest |difference| %.3g, %llu more than %.3g\n",
+                c[2], double(worst), c[0], double(tol));
+    CHECK_TRUE(c[0] == 0, "softcap_rs more than 1e-6 cap from cap * tanhf(x / cap)");
   }
 
   // ---- the cases ----
