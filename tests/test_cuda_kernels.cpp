@@ -1795,21 +1795,28 @@ TEST(CudaKernels, SoftcapRowStats) {
 // The fused SC probs (probs_row_scale): the same stats bits as the unfused pass, probs[r, :] * scale[r] equal to the
 // unfused normalized probs to bf16 rounding, and rows whose max lies too far below cap / T rewritten with exactly the
 // unfused probs (scale 1).
+// The fused-probs cases: V off the tile size, and T where row 1 takes the merge's exact fallback.
+struct FusedProbsCase {
+  int rows, V;
+  float T;
+};
+constexpr FusedProbsCase kFusedProbsCases[] = {{4, 5003, 0.61f}, {3, 20004, 0.4f}, {2, 262144, 0.8f}, {5, 8193, 0.4f}};
+std::vector<float> fused_probs_logits(int rows, int V) {
+  auto logits = rnd(size_t(rows) * V, -60, 60);
+  // row 1: every capped logit <= ~3, so at T 0.4 (cap / T = 75) its max is > 60 below: the exact fallback
+  for (int i = 0; i < V; ++i) logits[size_t(V) + size_t(i)] = -40.0f + 43.0f * float(i % 97) / 96.0f;
+  if (rows >= 3) logits[size_t(2) * V + size_t(V - 1)] = 500.0f;  // row 2: near one-hot, last token
+  if (rows >= 5)  // row 4: flat at the softcap floor (max -30 / T)
+    for (int i = 0; i < V; ++i) logits[size_t(4) * V + size_t(i)] = -1000.0f;
+  return logits;
+}
+
 TEST(CudaKernels, SoftcapRowStatsFusedProbs) {
   REQUIRE_GPU();
-  struct Case {
-    int rows, V;
-    float T;
-  };
-  for (Case c : {Case{4, 5003, 0.61f}, Case{3, 20004, 0.4f}, Case{2, 262144, 0.8f}, Case{5, 8193, 0.4f}}) {
+  for (const FusedProbsCase& c : kFusedProbsCases) {
     const int rows = c.rows, V = c.V;
     const float T = c.T, cap = 30.0f;
-    auto logits = rnd(size_t(rows) * V, -60, 60);
-    // row 1: every capped logit <= ~3, so at T 0.4 (cap / T = 75) its max is > 60 below: the exact fallback
-    for (int i = 0; i < V; ++i) logits[size_t(V) + size_t(i)] = -40.0f + 43.0f * float(i % 97) / 96.0f;
-    if (rows >= 3) logits[size_t(2) * V + size_t(V - 1)] = 500.0f;  // row 2: near one-hot, last token
-    if (rows >= 5)  // row 4: flat at the softcap floor (max -30 / T)
-      for (int i = 0; i < V; ++i) logits[size_t(4) * V + size_t(i)] = -1000.0f;
+    const auto logits = fused_probs_logits(rows, V);
     for (bool write_capped : {true, false}) {
       auto plain = run_row_stats(logits, rows, V, cap, T, write_capped);
       Dev<float> dl{logits.size()}, scale{size_t(rows)};
@@ -1904,19 +1911,11 @@ TEST(CudaKernels, SoftcapRowStatsFusedProbs) {
 // capped values (untouched, or absent, when they are not written).
 TEST(CudaKernels, SoftcapRowStatsBf16Logits) {
   REQUIRE_GPU();
-  struct Case {
-    int rows, V;
-    float T;
-  };
-  for (Case c : {Case{4, 5003, 0.61f}, Case{3, 20004, 0.4f}, Case{2, 262144, 0.8f}, Case{5, 8193, 0.4f}}) {
+  for (const FusedProbsCase& c : kFusedProbsCases) {
     const int rows = c.rows, V = c.V;
     const float T = c.T, cap = 30.0f;
     const size_t n = size_t(rows) * V;
-    auto logits = rnd(n, -60, 60);
-    for (int i = 0; i < V; ++i) logits[size_t(V) + size_t(i)] = -40.0f + 43.0f * float(i % 97) / 96.0f;  // fallback
-    if (rows >= 3) logits[size_t(2) * V + size_t(V - 1)] = 500.0f;
-    if (rows >= 5)
-      for (int i = 0; i < V; ++i) logits[size_t(4) * V + size_t(i)] = -1000.0f;
+    auto logits = fused_probs_logits(rows, V);
     const std::vector<bf16> bits = to_bf16(logits);  // logits now hold the bf16 values
     Dev<bf16> db(n);
     db.put(bits);
