@@ -448,7 +448,7 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
         gemm.linear(x1, Dt::BF16, T, embed, Dt::BF16, V, H, logits, Dt::F32, st);
       });
   bf16* logits16 = ar.bf16s(size_t(T) * V, 20.0f);
-  add("GEMM lm_head (tied), bf16 out (engine)", tH + " . " + std::to_string(V) + "x" + std::to_string(H) +
+  add("GEMM lm_head (tied), bf16 out (bf16_logits)", tH + " . " + std::to_string(V) + "x" + std::to_string(H) +
       "^T -> bf16", table + double(T) * V * 2, 2.0 * T * V * H, [=, &gemm](cudaStream_t st) {
         gemm.linear(x1, Dt::BF16, T, embed, Dt::BF16, V, H, probs, Dt::BF16, st);  // logits16 keeps its values
       });
@@ -474,7 +474,7 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
       double(T) * V * 6, 0, [=](cudaStream_t st) {
         cuda::softcap_row_stats(logits, T, V, 30.0f, 0.8f, stats, scratch, st, probs, false, probs_scale);
       });
-  add("softcap_row_stats + fused probs, bf16 logits (engine)", std::to_string(T) + " x " + std::to_string(V),
+  add("softcap_row_stats + fused probs, bf16 logits", std::to_string(T) + " x " + std::to_string(V),
       double(T) * V * 4, 0, [=](cudaStream_t st) {
         cuda::softcap_row_stats(nullptr, T, V, 30.0f, 0.8f, stats, scratch, st, probs, false, probs_scale, nullptr,
                                 nullptr, logits16);
