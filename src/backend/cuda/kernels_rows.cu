@@ -760,7 +760,7 @@ __global__ void __launch_bounds__(kRsThreads) rowstats_tile_k(const In* logits, 
   if (t_dev) rs_device_temperature(*t_dev, temperature, rT), ref = __fdiv_rn(cap, temperature);
   const int tile = blockIdx.x, r = blockIdx.y;
   const In* row = logits + size_t(r) * V;
-  float* capped_row = capped + size_t(r) * V;
+  float* capped_row = capped ? capped + size_t(r) * V : nullptr;  // null: bf16 logits, nothing written
   const int base = tile * kRsTile;
   float z[kRsVec * 4];
   if (base + kRsTile <= V)
