@@ -6,6 +6,7 @@
 // as in the engine; the weight-streaming kernels (experts, GEMMs over the embedding table) do not fit.
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -35,6 +36,9 @@ struct BenchKernelsArgs {
   int kv = 4096;
   std::string filter;  // substring of the entry names to run (empty: all)
   bool json = false;
+  // Each call inside one captured graph right after a one-word copy kernel, as the engine's step graphs launch them,
+  // less the same graph without the calls (the lm_head: ~526 us that way in the GEMM tuner, 482 in eager calls).
+  bool in_graph = false;
 };
 
 #ifdef DIFFGEMMA_WITH_CUDA
@@ -493,19 +497,63 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
   CUDA_CHECK(cudaEventCreate(&e0));
   CUDA_CHECK(cudaEventCreate(&e1));
   if (!args.json)
-    std::printf("%s, %d SMs; kv %d; %d calls each, PDL off; mean per call\n\n| kernel | shape | us | GB/s | TFLOP/s "
+    std::printf("%s, %d SMs; kv %d; %d calls each%s, PDL off; mean per call\n\n| kernel | shape | us | GB/s | TFLOP/s "
                 "|\n|---|---|---:|---:|---:|\n",
-                dev.name.c_str(), dev.multiprocessors, kv, args.reps);
+                dev.name.c_str(), dev.multiprocessors, kv, args.reps,
+                args.in_graph ? " in a captured graph, each after a one-word copy kernel (the copies' time taken out)"
+                              : "");
+  auto* word = ar.take<uint32_t>(2);
+  // One replay of `reps` (copy kernel, call) pairs (calls: false, the copies alone), ms; -1 where the call cannot be
+  // captured.
+  auto graph_ms = [&](const Entry& en, bool calls) -> float {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+    bool ok = true;
+    try {
+      for (int i = 0; i < args.reps; ++i) {
+        cuda::copy_words(word, 1, word + 1, s);
+        if (calls) en.run(s);
+      }
+    } catch (const std::exception&) {
+      ok = false;
+    }
+    const cudaError_t end = cudaStreamEndCapture(s, &graph);
+    if (ok && end == cudaSuccess) cuda::memset_nodes_as_kernels(graph);  // as the engine's graphs (gemm.h)
+    ok = ok && end == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+    float ms = -1;
+    if (ok) {
+      CUDA_CHECK(cudaGraphLaunch(exec, s));  // warm
+      CUDA_CHECK(cudaEventRecord(e0, s));
+      CUDA_CHECK(cudaGraphLaunch(exec, s));
+      CUDA_CHECK(cudaEventRecord(e1, s));
+      CUDA_CHECK(cudaEventSynchronize(e1));
+      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    }
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    return ms;
+  };
   for (const Entry& en : entries) {
     if (!args.filter.empty() && en.name.find(args.filter) == std::string::npos) continue;
     for (int i = 0; i < 3; ++i) en.run(s);  // warm-up (and cuBLASLt plans)
     CUDA_CHECK(cudaStreamSynchronize(s));
-    CUDA_CHECK(cudaEventRecord(e0, s));
-    for (int i = 0; i < args.reps; ++i) en.run(s);
-    CUDA_CHECK(cudaEventRecord(e1, s));
-    CUDA_CHECK(cudaEventSynchronize(e1));
     float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (args.in_graph) {
+      const float with = graph_ms(en, true), without = graph_ms(en, false);
+      if (with < 0) {
+        if (!args.json) std::printf("| %s | %s | not capturable | | |\n", en.name.c_str(), en.shape.c_str());
+        continue;
+      }
+      ms = with - without;
+    } else {
+      CUDA_CHECK(cudaEventRecord(e0, s));
+      for (int i = 0; i < args.reps; ++i) en.run(s);
+      CUDA_CHECK(cudaEventRecord(e1, s));
+      CUDA_CHECK(cudaEventSynchronize(e1));
+      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    }
     const double us = 1e3 * double(ms) / args.reps;
     const double gbs = en.bytes > 0 ? en.bytes / (us * 1e3) : 0, tfs = en.flops > 0 ? en.flops / (us * 1e6) : 0;
     if (args.json) {
@@ -520,8 +568,9 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
   CUDA_CHECK(cudaEventDestroy(e1));
   CUDA_CHECK(cudaStreamDestroy(s));
   cuda::set_pdl(true);
-  if (args.json) std::printf("%s\n", nlohmann::json{{"device", dev.name}, {"kv", kv}, {"reps", args.reps},
-                                                    {"kernels", out}}.dump(1).c_str());
+  if (args.json)
+    std::printf("%s\n", nlohmann::json{{"device", dev.name}, {"kv", kv}, {"reps", args.reps},
+                                       {"in_graph", args.in_graph}, {"kernels", out}}.dump(1).c_str());
   return 0;
 }
 #endif
@@ -535,6 +584,9 @@ CommandRegistrar reg("bench-kernels",
                        sub.add_option("--kv", a->kv, "KV length of the attention entries (>= 1024)");
                        sub.add_option("--filter", a->filter, "run only the entries whose name contains this");
                        sub.add_flag("--json", a->json, "print JSON instead of a table");
+                       sub.add_flag("--in-graph", a->in_graph,
+                                    "time each kernel's calls inside one captured graph, each after a one-word copy "
+                                    "kernel (as the engine's step graphs launch them) instead of eagerly back to back");
                        return [=]() -> int {
 #ifdef DIFFGEMMA_WITH_CUDA
                          return run_bench_kernels(*a);
