@@ -1935,7 +1935,9 @@ TEST(CudaKernels, SoftcapRowStatsBf16Logits) {
                                  (fused ? " fused" : " unfused");
         EXPECT_EQ(std::memcmp(st16.get().data(), st.get().data(), size_t(rows) * sizeof(DeviceRowStats)), 0) << what;
         EXPECT_EQ(std::memcmp(probs16.get().data(), probs.get().data(), n * 2), 0) << what;
-        if (fused) EXPECT_EQ(std::memcmp(scale16.get().data(), scale.get().data(), size_t(rows) * 4), 0) << what;
+        if (fused) {
+          EXPECT_EQ(std::memcmp(scale16.get().data(), scale.get().data(), size_t(rows) * 4), 0) << what;
+        }
         const auto out = dc.get();
         if (write_capped) {
           EXPECT_EQ(std::memcmp(out.data(), capped.data(), n * 4), 0) << what;

@@ -6,7 +6,6 @@
 // as in the engine; the weight-streaming kernels (experts, GEMMs over the embedding table) do not fit.
 #include <cmath>
 #include <cstdio>
-#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -503,45 +502,18 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
                 args.in_graph ? " in a captured graph, each after a one-word copy kernel (the copies' time taken out)"
                               : "");
   auto* word = ar.take<uint32_t>(2);
-  // One replay of `reps` (copy kernel, call) pairs (calls: false, the copies alone), ms; -1 where the call cannot be
-  // captured.
-  auto graph_ms = [&](const Entry& en, bool calls) -> float {
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-    bool ok = true;
-    try {
-      for (int i = 0; i < args.reps; ++i) {
-        cuda::copy_words(word, 1, word + 1, s);
-        if (calls) en.run(s);
-      }
-    } catch (const std::exception&) {
-      ok = false;
-    }
-    const cudaError_t end = cudaStreamEndCapture(s, &graph);
-    if (ok && end == cudaSuccess) cuda::memset_nodes_as_kernels(graph);  // as the engine's graphs (gemm.h)
-    ok = ok && end == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
-    float ms = -1;
-    if (ok) {
-      CUDA_CHECK(cudaGraphLaunch(exec, s));  // warm
-      CUDA_CHECK(cudaEventRecord(e0, s));
-      CUDA_CHECK(cudaGraphLaunch(exec, s));
-      CUDA_CHECK(cudaEventRecord(e1, s));
-      CUDA_CHECK(cudaEventSynchronize(e1));
-      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    }
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
-    (void)cudaGetLastError();
-    return ms;
-  };
   for (const Entry& en : entries) {
     if (!args.filter.empty() && en.name.find(args.filter) == std::string::npos) continue;
     for (int i = 0; i < 3; ++i) en.run(s);  // warm-up (and cuBLASLt plans)
     CUDA_CHECK(cudaStreamSynchronize(s));
     float ms = 0;
     if (args.in_graph) {
-      const float with = graph_ms(en, true), without = graph_ms(en, false);
+      // best of 3 replays, as the GEMM tuner times its candidates
+      const float with = cuda::graph_after_copies_ms(s, word, args.reps, 3, [&] {
+        en.run(s);
+        return true;
+      }, true);
+      const float without = cuda::graph_after_copies_ms(s, word, args.reps, 3, nullptr, true);
       if (with < 0) {
         if (!args.json) std::printf("| %s | %s | not capturable | | |\n", en.name.c_str(), en.shape.c_str());
         continue;

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace dg::cuda {
@@ -24,6 +25,13 @@ void copy_words(const void* src, size_t words, void* dst, cudaStream_t s);
 // Replaces each memset node of `graph` (cuBLASLt zeroes a few workspace bytes before some of its GEMMs) by a kernel
 // node doing the same stores, with the same edges; returns how many. CudaOptions::graph_memset_kernels says why.
 int memset_nodes_as_kernels(cudaGraph_t graph);
+// A call timed as the engine's graphs launch it, right after a kernel: a graph of `pairs` (one-word copy_words from
+// word[0] to word[1], call()) captured on s, replayed once to warm up, then `rounds` times; returns the best replay's
+// milliseconds (call null: the copies alone, for the caller to subtract), or -1 when a call fails (returns false or
+// throws) or the graph cannot be captured. memset_kernels: its memset nodes become kernel nodes first, as in the
+// engine's graphs. For timing only (it synchronizes s).
+float graph_after_copies_ms(cudaStream_t s, uint32_t* word, int pairs, int rounds, const std::function<bool()>& call,
+                            bool memset_kernels);
 // y = x * (mean(x^2) + eps)^-1/2 * w  (w == nullptr: no scale); one row of n per block. Any in/out types.
 void rms_norm_f32_to_bf16(const float* x, int rows, int n, const float* w, float eps, bf16* y, cudaStream_t s);
 void rms_norm_f32_to_f32(const float* x, int rows, int n, const float* w, float eps, float* y, cudaStream_t s);

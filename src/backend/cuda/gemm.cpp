@@ -281,41 +281,12 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
     // idle ~12 us before the full layers' S GEMM (H200 trace, session 12). The engine's graphs now turn those memset
     // nodes into kernel nodes (CudaOptions::graph_memset_kernels); this graph keeps them, as session 12's tuning did.
     // Best of 3 replays of 10 (kernel, GEMM) pairs, less the same graph without the GEMMs.
-    cudaEvent_t e0, e1;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
     const float alpha = 1.0f, beta = 0.0f;
     std::vector<float> us(size_t(found), 1e30f);
-    auto* word = static_cast<unsigned char*>(workspace_) + workspace_bytes_ - 8;  // the copy's scratch
-    auto time_graph = [&](const std::function<bool()>& gemm_call) -> float {
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-      bool ok_calls = true;
-      for (int r = 0; r < 10; ++r) {
-        copy_words(word, 1, word + 4, s);
-        if (gemm_call) ok_calls = ok_calls && gemm_call();
-      }
-      CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-      if (!ok_calls || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
-        (void)cudaGetLastError();
-        cudaGraphDestroy(graph);
-        return 1e30f;
-      }
-      float best_ms = 1e30f;
-      CUDA_CHECK(cudaGraphLaunch(exec, s));  // warm-up
-      for (int round = 0; round < 3; ++round) {
-        CUDA_CHECK(cudaEventRecord(e0, s));
-        CUDA_CHECK(cudaGraphLaunch(exec, s));
-        CUDA_CHECK(cudaEventRecord(e1, s));
-        CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        best_ms = std::min(best_ms, ms);
-      }
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-      return best_ms * 100.0f;  // us per pair
+    auto* word = reinterpret_cast<uint32_t*>(static_cast<unsigned char*>(workspace_) + workspace_bytes_ - 8);
+    auto time_graph = [&](const std::function<bool()>& gemm_call) -> float {  // us per pair
+      const float ms = graph_after_copies_ms(s, word, 10, 3, gemm_call, false);
+      return ms < 0 ? 1e30f : ms * 100.0f;
     };
     const float copies_us = time_graph(nullptr);
     for (int i : ok) {
@@ -327,8 +298,6 @@ Gemm::Plan Gemm::make_plan(bool transa, int m, int n, int k, Dt at, Dt bt, Dt ct
       CUDA_CHECK(cudaStreamSynchronize(s));
       us[size_t(i)] = std::max(0.0f, time_graph(call) - copies_us);
     }
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
     int best = ok[0];
     for (int i : ok)
       if (us[size_t(i)] < us[size_t(best)]) best = i;

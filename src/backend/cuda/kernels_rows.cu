@@ -4,6 +4,8 @@
 #include <cfloat>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
+#include <type_traits>
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
@@ -1105,6 +1107,46 @@ void copy_words(const void* src, size_t words, void* dst, cudaStream_t s) {
   launch_pdl(copy_words_k, dim3(unsigned(std::min<size_t>((words + kRowThreads - 1) / kRowThreads, 1024))),
              dim3(kRowThreads), 0, s, static_cast<const uint32_t*>(src), words, static_cast<uint32_t*>(dst));
 }
+float graph_after_copies_ms(cudaStream_t s, uint32_t* word, int pairs, int rounds, const std::function<bool()>& call,
+                            bool memset_kernels) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+  bool ok = true;
+  try {
+    for (int i = 0; i < pairs; ++i) {
+      copy_words(word, 1, word + 1, s);
+      if (call) ok = call() && ok;
+    }
+  } catch (const std::exception&) {
+    ok = false;
+  }
+  ok = cudaStreamEndCapture(s, &graph) == cudaSuccess && ok;
+  if (ok && memset_kernels) memset_nodes_as_kernels(graph);
+  ok = ok && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+  float best = -1;
+  if (ok) {
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    CUDA_CHECK(cudaGraphLaunch(exec, s));  // warm-up
+    for (int r = 0; r < rounds; ++r) {
+      CUDA_CHECK(cudaEventRecord(e0, s));
+      CUDA_CHECK(cudaGraphLaunch(exec, s));
+      CUDA_CHECK(cudaEventRecord(e1, s));
+      CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      best = best < 0 ? ms : std::min(best, ms);
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+  }
+  if (exec) cudaGraphExecDestroy(exec);
+  if (graph) cudaGraphDestroy(graph);
+  (void)cudaGetLastError();
+  return best;
+}
 // rms_norm_vec_k where the width allows (nv 1-4), else the scalar kernel, which has no row factor: a caller with
 // one (scaled_rms_norm_f32_to_bf16) applies it first at those widths.
 template <class Out>
@@ -1300,34 +1342,30 @@ void softcap_row_stats(float* logits, int rows, int V, float softcap, float temp
   const bool raw = bf16_in || !write_capped;
   const FusedProbs fp{fused ? probs : nullptr, probs_row_scale, logits, logits_bf16, V, temperature, rT, softcap, ck,
                       softcap / temperature, raw, rcp, temperature_dev, vec};
-  if (bf16_in) {
-    auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kRsFastExp, bf16> : rowstats_tile_k<true, false, kRsFastExp, bf16>)
-                       : (rcp ? rowstats_tile_k<false, true, kRsFastExp, bf16> : rowstats_tile_k<false, false, kRsFastExp, bf16>);
-    launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, s, logits_bf16, logits, V, softcap, ck, temperature, rT, part,
+  // The tile pass and the unfused probs pass over logits of either type; `logits` takes the capped values.
+  auto passes = [&](auto* in) {
+    using In = std::remove_const_t<std::remove_pointer_t<decltype(in)>>;
+    constexpr bool kFastExp = kRsFastExp;
+    auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kFastExp, In>  //
+                              : rowstats_tile_k<true, false, kFastExp, In>)
+                       : (rcp ? rowstats_tile_k<false, true, kFastExp, In>  //
+                              : rowstats_tile_k<false, false, kFastExp, In>);
+    launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, s, in, logits, V, softcap, ck, temperature, rT, part,
                write_capped, fp.probs, fp.ref, temperature_dev);
-  } else {
-    auto* tile_k = vec ? (rcp ? rowstats_tile_k<true, true, kRsFastExp, float> : rowstats_tile_k<true, false, kRsFastExp, float>)
-                       : (rcp ? rowstats_tile_k<false, true, kRsFastExp, float> : rowstats_tile_k<false, false, kRsFastExp, float>);
-    launch_pdl(tile_k, dim3(grid), dim3(kRsThreads), 0, s, static_cast<const float*>(logits), logits, V, softcap, ck,
-               temperature, rT, part, write_capped, fp.probs, fp.ref, temperature_dev);
-  }
-  CUDA_CHECK_LAUNCH();
-  launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, s, part, tiles * kRsWarps, stats, fp, stats_mirror);
-  CUDA_CHECK_LAUNCH();
-  if (probs && !fused) {
-    if (bf16_in) {
-      auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true, bf16> : rowstats_probs_k<true, false, bf16>)
-                          : (rcp ? rowstats_probs_k<false, true, bf16> : rowstats_probs_k<false, false, bf16>);
-      launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, s, logits_bf16, rows, V, tiles, temperature, rT, stats,
-                 probs, true, softcap, ck, temperature_dev);
-    } else {
-      auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true, float> : rowstats_probs_k<true, false, float>)
-                          : (rcp ? rowstats_probs_k<false, true, float> : rowstats_probs_k<false, false, float>);
-      launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, s, static_cast<const float*>(logits), rows, V, tiles,
-                 temperature, rT, stats, probs, !write_capped, softcap, ck, temperature_dev);
-    }
     CUDA_CHECK_LAUNCH();
-  }
+    launch_pdl(rowstats_merge_k, dim3(rows), dim3(kRsThreads), 0, s, part, tiles * kRsWarps, stats, fp, stats_mirror);
+    CUDA_CHECK_LAUNCH();
+    if (!probs || fused) return;
+    auto* probs_k = vec ? (rcp ? rowstats_probs_k<true, true, In> : rowstats_probs_k<true, false, In>)
+                        : (rcp ? rowstats_probs_k<false, true, In> : rowstats_probs_k<false, false, In>);
+    launch_pdl(probs_k, dim3(grid), dim3(kRsThreads), 0, s, in, rows, V, tiles, temperature, rT, stats, probs, raw,
+               softcap, ck, temperature_dev);
+    CUDA_CHECK_LAUNCH();
+  };
+  if (bf16_in)
+    passes(logits_bf16);
+  else
+    passes(static_cast<const float*>(logits));
 }
 int softcap_row_stats_variant(float softcap, float temperature) { return rs_rcp_ok(softcap, temperature) ? 1 : 0; }
 void softmax_rows_bf16(const float* logits, int rows, int V, float temperature, bf16* probs, cudaStream_t s) {
