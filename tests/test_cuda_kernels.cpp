@@ -1792,9 +1792,6 @@ TEST(CudaKernels, SoftcapRowStats) {
   EXPECT_ANY_THROW(softcap_row_stats(dl.p, 1, 8, 30.0f, 1.0f, st.p, nullptr, nullptr));
 }
 
-// The fused SC probs (probs_row_scale): the same stats bits as the unfused pass, probs[r, :] * scale[r] equal to the
-// unfused normalized probs to bf16 rounding, and rows whose max lies too far below cap / T rewritten with exactly the
-// unfused probs (scale 1).
 // The fused-probs cases: V off the tile size, and T where row 1 takes the merge's exact fallback.
 struct FusedProbsCase {
   int rows, V;
@@ -1811,6 +1808,9 @@ std::vector<float> fused_probs_logits(int rows, int V) {
   return logits;
 }
 
+// The fused SC probs (probs_row_scale): the same stats bits as the unfused pass, probs[r, :] * scale[r] equal to the
+// unfused normalized probs to bf16 rounding, and rows whose max lies too far below cap / T rewritten with exactly the
+// unfused probs (scale 1).
 TEST(CudaKernels, SoftcapRowStatsFusedProbs) {
   REQUIRE_GPU();
   for (const FusedProbsCase& c : kFusedProbsCases) {
