@@ -507,18 +507,22 @@ TEST(CudaParity, SharedWeightsBackendsIndependent) {
 // CudaOptions::whole_step_graph: a whole denoise step as one CUDA graph gives, bit for bit, what the layers' graph
 // with eager launches around it gives: a whole generation, then single steps over three SC modes, three temperatures
 // and two KV lengths (every change of key re-captures; a repeat replays), with the temperature read from device
-// memory (one graph for all of them) and as a launch argument (a graph per temperature).
+// memory (one graph for all of them) and as a launch argument (a graph per temperature), and with a PreviousStep
+// step's SC GEMM as a graph of its own launched ahead of the rest (split_step_head) or inside the one graph.
 TEST(CudaParity, WholeStepGraphMatchesLayerGraph) {
   auto info = cuda::query_device(0);
   if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
   auto [model, o, prompt, layers] = conditioned_cuda();
   layers.whole_step_graph = false;
-  for (const bool device_temperature : {true, false}) {
-    SCOPED_TRACE(::testing::Message() << "device_temperature " << device_temperature);
+  const std::pair<bool, bool> variants[] = {{true, true}, {true, false}, {false, true}};
+  for (const auto& [device_temperature, split_step_head] : variants) {
+    SCOPED_TRACE(::testing::Message() << "device_temperature " << device_temperature << ", split_step_head "
+                                      << split_step_head);
     CudaOptions whole = layers;
     whole.whole_step_graph = true;
     // on: one captured step for every temperature below (they differ from step to step, as in the block loop)
     whole.device_temperature = device_temperature;
+    whole.split_step_head = split_step_head;
     auto ga = make_cuda_backend(*model, layers), gb = make_cuda_backend(*model, whole);
     const auto gen_a = diffusion::generate(*ga, prompt, o);
     const auto gen_b = diffusion::generate(*gb, prompt, o);

@@ -52,6 +52,7 @@ struct BenchArgs {
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
+  bool one_step_graph = false;  // CudaOptions::split_step_head off
   bool temperature_in_key = false;  // CudaOptions::device_temperature off
   bool first_step = false;          // also time a canvas's first step after prefills
   int canvas_distinct = 0;          // > 0: the timed canvas holds this many distinct tokens (0: uniform random)
@@ -169,6 +170,7 @@ int run_bench(const BenchArgs& args) {
   if (args.breakdown) opt.stage_times = &stages;
   opt.cuda_graphs = !no_graphs;
   opt.whole_step_graph = !args.layer_graph;
+  opt.split_step_head = !args.one_step_graph;
   opt.device_temperature = !args.temperature_in_key;
   opt.padded_experts = !args.grouped_experts;
   opt.overlap_dense_mlp = !args.no_overlap;
@@ -238,6 +240,7 @@ int run_bench(const BenchArgs& args) {
   out["reps"] = args.reps;
   out["cuda_graphs"] = !no_graphs;
   out["whole_step_graph"] = !args.layer_graph;
+  out["split_step_head"] = !args.one_step_graph;
   out["device_temperature"] = !args.temperature_in_key;
   out["canvas_distinct"] = args.canvas_distinct;
   out["graph_memset_kernels"] = !args.graph_memset_nodes;
@@ -319,6 +322,7 @@ int run_bench(const BenchArgs& args) {
     const CudaExpertTileStats timed_tiles = tile_stats;
     const double step = median(t);
     const double launch_us = host_times.graph_launch_us.empty() ? 0.0 : median(host_times.graph_launch_us);
+    const double head_us = host_times.head_launch_us.empty() ? 0.0 : median(host_times.head_launch_us);
     if (!args.experts_timeline.empty() && ctx == contexts.front()) {
       // One more step with the fused expert kernel's tile timeline on. The temperature differs from the timed steps'
       // (exactly representable), so the step's graph is captured afresh with the timeline's kernel instantiation.
@@ -392,14 +396,16 @@ int run_bench(const BenchArgs& args) {
     d["step_ms_min"] = *std::min_element(t.begin(), t.end());
     d["commit_ms"] = commit_ms;
     d["graph_launch_us"] = launch_us;
+    d["head_graph_launch_us"] = head_us;
     d["tok_per_s_16_steps"] = e2e;
     d["expert_tiles"] = {{"one_tile_steps", timed_tiles.one_tile_steps},
                          {"two_tile_steps", timed_tiles.two_tile_steps},
                          {"heavy_experts", timed_tiles.last_heavy}};
     std::fprintf(stderr,
-                 "kv %6d: denoise step %7.2f ms (min %.2f; graph launch call %.1f us), commit 256 %7.2f ms, "
-                 "16 steps/canvas %7.0f tok/s; timed steps on two token tiles %lld/%lld (experts past 32 rows: %d)\n",
-                 ctx, step, *std::min_element(t.begin(), t.end()), launch_us, commit_ms, e2e,
+                 "kv %6d: denoise step %7.2f ms (min %.2f; graph launch call %.1f us, SC head's %.1f), commit 256 "
+                 "%7.2f ms, 16 steps/canvas %7.0f tok/s; timed steps on two token tiles %lld/%lld (experts past 32 "
+                 "rows: %d)\n",
+                 ctx, step, *std::min_element(t.begin(), t.end()), launch_us, head_us, commit_ms, e2e,
                  static_cast<long long>(timed_tiles.two_tile_steps),
                  static_cast<long long>(timed_tiles.one_tile_steps + timed_tiles.two_tile_steps),
                  timed_tiles.last_heavy);
@@ -570,6 +576,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--layer-graph", a->layer_graph,
                                     "A/B: only the layers of a denoise step as one CUDA graph, the rest launched "
                                     "from the host (CudaOptions::whole_step_graph = false)");
+                       sub.add_flag("--one-step-graph", a->one_step_graph,
+                                    "A/B: a PreviousStep step's SC GEMM inside the step's one graph instead of a "
+                                    "graph launched ahead of it (CudaOptions::split_step_head = false)");
                        sub.add_flag("--first-step", a->first_step,
                                     "also time a canvas's first step (canvas-embedding SC) alone, after a 256-token "
                                     "prefill and after the context's prefill from an empty cache");

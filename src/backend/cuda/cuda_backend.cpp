@@ -454,6 +454,7 @@ class CudaBackend final : public Backend {
     if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
     for (StepGraph& g : step_graphs_)
       if (g.exec) cudaGraphExecDestroy(g.exec);
+    if (sc_head_.exec) cudaGraphExecDestroy(sc_head_.exec);
     gemm_.reset();
     gemm_side_.reset();
     gemm_tail_.reset();
@@ -749,7 +750,9 @@ class CudaBackend final : public Backend {
         CUDA_CHECK(cudaMemcpyAsync(s_.sig, s_.h, size_t(L) * H * 4, cudaMemcpyDeviceToDevice, stream_));
         break;
       case SelfCondition::PreviousStep:
-        previous_step_sc(L);  // softmax(previous logits / previous T) @ E, exact or over the survivors
+        // softmax(previous logits / previous T) @ E, exact or over the survivors; or already on the stream as the
+        // step's head graph (launch_step_graph)
+        if (!sc_in_head_) previous_step_sc(L);
         break;
       case SelfCondition::External:  // never captured: the caller's pageable logits
         CUDA_CHECK(cudaMemcpyAsync(s_.logits, req.sc_logits.data(), req.sc_logits.size() * 4, cudaMemcpyHostToDevice,
@@ -835,16 +838,34 @@ class CudaBackend final : public Backend {
                             : req.temperature;
     const StepGraphKey key{L, kv_len_, t_key};
     *host_temperature_ = req.temperature;  // the stream is idle (stage_ids synchronized it)
+    // CudaOptions::split_step_head: the SC GEMM as a graph of its own, launched first (its key: the rows; it reads
+    // the previous step's probs and writes the SC signal, nothing else)
+    const bool split = opt_.split_step_head && req.self_condition == SelfCondition::PreviousStep;
+    if (split && (!sc_head_.exec || sc_head_.key.rows != L)) {
+      sc_head_.key = StepGraphKey{};
+      capture_graph(sc_head_.exec, [&] { previous_step_sc(L); });
+      sc_head_.key = StepGraphKey{L, -1, 0.0f};
+    }
     if (!g.exec || !(key == g.key)) {
       g.key = StepGraphKey{};  // stays invalid if the capture below throws
-      capture_graph(g.exec, [&] { enqueue_denoise(req, L, /*capturing=*/true); });
+      sc_in_head_ = split;
+      try {
+        capture_graph(g.exec, [&] { enqueue_denoise(req, L, /*capturing=*/true); });
+      } catch (...) {
+        sc_in_head_ = false;
+        throw;
+      }
+      sc_in_head_ = false;
       g.key = key;
     }
-    const auto t0 = std::chrono::steady_clock::now();
-    CUDA_CHECK(cudaGraphLaunch(g.exec, stream_));
-    if (opt_.host_times)
-      opt_.host_times->graph_launch_us.push_back(
-          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    auto launch = [&](cudaGraphExec_t exec, std::vector<double>* us) {
+      const auto t0 = std::chrono::steady_clock::now();
+      CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+      if (us) us->push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    };
+    CudaHostTimes* ht = opt_.host_times;
+    if (split) launch(sc_head_.exec, ht ? &ht->head_launch_us : nullptr);
+    launch(g.exec, ht ? &ht->graph_launch_us : nullptr);
   }
 
   void embed(std::span<const int32_t> ids) {
@@ -1320,6 +1341,8 @@ class CudaBackend final : public Backend {
   static constexpr size_t kSelfConditionModes = 4;
   // a whole denoise step per (SelfCondition, token tiles of the fused expert launch), see launch_step_graph()
   std::array<StepGraph, 2 * kSelfConditionModes> step_graphs_;
+  StepGraph sc_head_;         // CudaOptions::split_step_head: a PreviousStep step's SC GEMM (key: rows only)
+  bool sc_in_head_ = false;   // while a PreviousStep step's body is captured with its SC GEMM in sc_head_
   int graph_rows_ = -1;
   int64_t graph_kv_ = -1;
   bool graph_two_tiles_ = false;

@@ -32,11 +32,12 @@ struct CudaScStats {
 };
 
 // Host-side cost of the whole-step graph path (`diffgemma bench` reports it): how long each cudaGraphLaunch call
-// took on the calling thread. The device starts a launched graph only as the call returns, so this time is part of
-// every step's wall.
+// took on the calling thread. The device starts a launched graph only as the call returns, so the first launch's
+// time is part of every step's wall (the second's runs while the first graph computes).
 struct CudaHostTimes {
   std::vector<double> graph_launch_us;
-  void reset() { graph_launch_us.clear(); }
+  std::vector<double> head_launch_us;  // CudaOptions::split_step_head: the SC GEMM's graph, launched before the rest
+  void reset() { graph_launch_us.clear(), head_launch_us.clear(); }
 };
 
 // The fused expert launch's token-tile mode over the PreviousStep denoise steps (CudaOptions::tile_stats; `diffgemma
@@ -76,6 +77,12 @@ struct CudaOptions {
   // layers' graph; on the H200 (docs/BENCHMARKS.md, session 12) 0.00-0.08 ms faster a 4K step in each of four calls
   // (fewer host launches a step). A/B: bench --layer-graph.
   bool whole_step_graph = true;
+  // With whole_step_graph: a PreviousStep step runs as two graphs, its SC GEMM (probs @ E, ~0.5 ms, reads nothing the
+  // host writes for the step) first and the rest second. The device starts a graph only as its cudaGraphLaunch call
+  // returns, and that call takes ~5-25 us on the host for the ~560-node step (CudaHostTimes): launched first, the
+  // one-GEMM head starts after a call of a few us, and the body's long call runs while the head computes. The same
+  // launches in the same order, so bitwise the same results. A/B: bench --one-step-graph.
+  bool split_step_head = true;
   // With whole_step_graph: the step's temperature is read from device memory when the graph runs (copied from mapped
   // pinned memory on a side branch at the graph's start), so one captured step serves every temperature. Without it
   // the temperature is a launch argument and part of the graph's key: the block loop's schedule changes T every step,
