@@ -488,6 +488,16 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
       "x" + std::to_string(H), table + double(T) * V * 2, 2.0 * T * V * H, [=, &gemm](cudaStream_t st) {
         gemm.through_table(probs, Dt::BF16, T, embed, Dt::BF16, V, H, sig, Dt::F32, st);
       });
+  // The same product over probs as the step's synthetic weights give them: near-uniform rows, every value within a
+  // few binades of the others (the fused probs exp(z - cap / T) of flat logits). The entry above reads the
+  // softmax_rows_bf16 entry's peaked rows; the two differ in operand values only (session 27: 408 us there against
+  // 476-486 in the step and the GEMM tuner).
+  bf16* flat_probs = ar.bf16s(size_t(T) * V, 0.5f * std::ldexp(1.0f, -50), std::ldexp(1.0f, -50));
+  add("GEMM SC soft embedding, near-uniform probs", std::to_string(T) + "x" + std::to_string(V) + " . " +
+      std::to_string(V) + "x" + std::to_string(H), table + double(T) * V * 2, 2.0 * T * V * H,
+      [=, &gemm](cudaStream_t st) {
+        gemm.through_table(flat_probs, Dt::BF16, T, embed, Dt::BF16, V, H, sig, Dt::F32, st);
+      });
   CUDA_CHECK(cudaStreamSynchronize(s));
 
   // ---- time ----
