@@ -723,7 +723,8 @@ class CudaBackend final : public Backend {
   // Everything a denoise step runs on the GPU, from the canvas ids in host_ids_ (pinned) to the row statistics in
   // host_stats_ (pinned): eagerly (the decoder layers then as their own graph, decoder_layers), or while the whole step
   // is being captured (launch_step_graph), when it must not synchronize or read host memory it does not own.
-  void enqueue_denoise(const DenoiseRequest& req, int L, bool capturing) {
+  // sc_ahead: a PreviousStep step's SC GEMM is already on the stream (launch_step_graph's head graph).
+  void enqueue_denoise(const DenoiseRequest& req, int L, bool capturing, bool sc_ahead = false) {
     const int H = cfg_.hidden_size, V = cfg_.vocab_size;
     // Captured: the embedding reads the pinned ids where the host wrote them, and the statistics' merge kernel writes
     // them into mapped host memory: with memcpy nodes the graph's first kernel started ~80 us after its launch (H200
@@ -750,9 +751,7 @@ class CudaBackend final : public Backend {
         CUDA_CHECK(cudaMemcpyAsync(s_.sig, s_.h, size_t(L) * H * 4, cudaMemcpyDeviceToDevice, stream_));
         break;
       case SelfCondition::PreviousStep:
-        // softmax(previous logits / previous T) @ E, exact or over the survivors; or already on the stream as the
-        // step's head graph (launch_step_graph)
-        if (!sc_in_head_) previous_step_sc(L);
+        if (!sc_ahead) previous_step_sc(L);  // softmax(previous logits / previous T) @ E, exact or over the survivors
         break;
       case SelfCondition::External:  // never captured: the caller's pageable logits
         CUDA_CHECK(cudaMemcpyAsync(s_.logits, req.sc_logits.data(), req.sc_logits.size() * 4, cudaMemcpyHostToDevice,
@@ -848,14 +847,7 @@ class CudaBackend final : public Backend {
     }
     if (!g.exec || !(key == g.key)) {
       g.key = StepGraphKey{};  // stays invalid if the capture below throws
-      sc_in_head_ = split;
-      try {
-        capture_graph(g.exec, [&] { enqueue_denoise(req, L, /*capturing=*/true); });
-      } catch (...) {
-        sc_in_head_ = false;
-        throw;
-      }
-      sc_in_head_ = false;
+      capture_graph(g.exec, [&] { enqueue_denoise(req, L, /*capturing=*/true, /*sc_ahead=*/split); });
       g.key = key;
     }
     auto launch = [&](cudaGraphExec_t exec, std::vector<double>* us) {
@@ -1341,8 +1333,7 @@ class CudaBackend final : public Backend {
   static constexpr size_t kSelfConditionModes = 4;
   // a whole denoise step per (SelfCondition, token tiles of the fused expert launch), see launch_step_graph()
   std::array<StepGraph, 2 * kSelfConditionModes> step_graphs_;
-  StepGraph sc_head_;         // CudaOptions::split_step_head: a PreviousStep step's SC GEMM (key: rows only)
-  bool sc_in_head_ = false;   // while a PreviousStep step's body is captured with its SC GEMM in sc_head_
+  StepGraph sc_head_;  // CudaOptions::split_step_head: a PreviousStep step's SC GEMM (key: rows only)
   int graph_rows_ = -1;
   int64_t graph_kv_ = -1;
   bool graph_two_tiles_ = false;
