@@ -431,7 +431,25 @@ void check_attention(int T, int nh, int nkv, int D, int64_t cap, int64_t first_p
     set_attention_q_tma(true);
     a.out = out.p;
   }
+  // D = 512 also on attention_wgx_k (the cluster-pair attention_ws_k is the default where there is an sm_90a image),
+  // and the default launch twice: the two blocks of a pair add the partial S in either order, so repeat runs and the
+  // pair must agree bitwise.
+  Dev<bf16> out_wgx(D == 512 ? q.size() : 1), out_again(q.size());
+  if (D == 512) {
+    set_attention_ws512(false);
+    a.out = out_wgx.p;
+    attention(a, nullptr);
+    set_attention_ws512(true);
+  }
+  a.out = out_again.p;
   attention(a, nullptr);
+  a.out = out.p;
+  attention(a, nullptr);
+  {
+    const std::vector<bf16> x = out.get(), y = out_again.get();
+    EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(bf16)), 0)
+        << "repeat launch: T " << T << " D " << D << " n_old " << n_old;
+  }
   const size_t row = size_t(nkv) * D;
   const int64_t nk = n_old + T;
   std::vector<float> K(size_t(nk) * row), Vv(K.size());
@@ -453,6 +471,8 @@ void check_attention(int T, int nh, int nkv, int D, int64_t cap, int64_t first_p
   ThreadPool pool(2);
   cpu::attention(pool, q.data(), T, nh, K.data(), Vv.data(), nk, nkv, D, m, want.data());
   EXPECT_LE(rel_err(from_bf16(out.get()), want), 2e-2) << "T " << T << " D " << D << " n_old " << n_old;
+  if (D == 512)
+    EXPECT_LE(rel_err(from_bf16(out_wgx.get()), want), 2e-2) << "attention_wgx_k: T " << T << " n_old " << n_old;
   if (!causal) {
     EXPECT_LE(rel_err(from_bf16(out_index.get()), want), 2e-2)
         << "keys tiled by index: T " << T << " D " << D << " n_old " << n_old;
@@ -478,6 +498,7 @@ TEST(CudaKernels, Attention) {
   check_attention(600, 16, 8, 256, 2048, 100, 900, true, 1024);
   check_attention(300, 16, 2, 512, 1000, 7, 333, true, 0);
   check_attention(257, 16, 2, 512, 400, 350, 300, false, 0);
+  check_attention(256, 16, 2, 512, 1024, 0, 1000, false, 0);  // a full layer's denoise shape (fewer cached keys)
   check_attention(100, 6, 2, 48, 70, 3, 61, false, 0);
   check_attention(77, 8, 1, 128, 130, 0, 129, true, 16);
   check_attention(50, 4, 4, 80, 64, 10, 60, false, 0);

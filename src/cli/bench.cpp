@@ -45,6 +45,7 @@ struct BenchArgs {
   bool no_attn_tma = false;  // cuda::set_attention_tma(false)
   bool no_attn_key_runs = false;  // cuda::set_attention_key_runs(false)
   bool no_attn_q_tma = false;     // cuda::set_attention_q_tma(false)
+  bool no_attn_ws512 = false;     // cuda::set_attention_ws512(false)
   bool no_softmax_reverse = false;  // cuda::set_softmax_rows_reverse(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   bool no_fused_sc_probs = false;  // CudaOptions::fused_sc_probs = false
@@ -155,6 +156,7 @@ int run_bench(const BenchArgs& args) {
   cuda::set_attention_tma(!args.no_attn_tma);
   cuda::set_attention_key_runs(!args.no_attn_key_runs);
   cuda::set_attention_q_tma(!args.no_attn_q_tma);
+  cuda::set_attention_ws512(!args.no_attn_ws512);
   cuda::set_softmax_rows_reverse(!args.no_softmax_reverse);
   cuda::set_router_tensor_cores(args.router_tc);
   cuda::set_route_tokens_per_block(args.route_tokens);
@@ -280,6 +282,7 @@ int run_bench(const BenchArgs& args) {
   out["attention_tma"] = !args.no_attn_tma;
   out["attention_key_runs"] = !args.no_attn_key_runs;
   out["attention_q_tma"] = !args.no_attn_q_tma;
+  out["attention_ws512"] = !args.no_attn_ws512;
   out["softmax_rows_reverse"] = !args.no_softmax_reverse;
   out["router_tensor_cores"] = args.router_tc;
   out["route_tokens_per_block"] = args.route_tokens;
@@ -616,6 +619,10 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--no-attn-q-tma", a->no_attn_q_tma,
                                     "A/B: the sliding attention kernel's Q rows by its consumers' cp.async instead of "
                                     "TMA (cuda::set_attention_q_tma)");
+                       sub.add_flag("--no-attn-ws512", a->no_attn_ws512,
+                                    "A/B: head dim 512 (the full layers' prefill and commit, and their denoise with "
+                                    "--no-gemm-attention) on attention_wgx_k instead of the warp-specialized "
+                                    "cluster pairs (cuda::set_attention_ws512)");
                        sub.add_flag("--no-softmax-reverse", a->no_softmax_reverse,
                                     "A/B: the full layers' attention softmax over the heads in order instead of last "
                                     "head first (cuda::set_softmax_rows_reverse)");

@@ -173,6 +173,17 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
     pre.causal = true;
     add("attention commit" + tag, "causal, " + std::to_string(T) + " queries", 2.0 * keys * nkv * D * 2,
         2.0 * T * nh * keys * D, [=](cudaStream_t st) { cuda::attention(pre, st); });
+    if (D == 512) {  // the previous D = 512 kernel beside the default (cuda::set_attention_ws512)
+      auto on_wgx = [](const cuda::AttentionArgs& args, cudaStream_t st) {
+        cuda::set_attention_ws512(false);
+        cuda::attention(args, st);
+        cuda::set_attention_ws512(true);
+      };
+      add("attention" + tag + ", attention_wgx_k", "denoise, as above", 2.0 * keys * nkv * D * 2 + 4.0 * T * nh * D,
+          4.0 * T * nh * keys * D, [=](cudaStream_t st) { on_wgx(at, st); });
+      add("attention commit" + tag + ", attention_wgx_k", "causal, as above", 2.0 * keys * nkv * D * 2,
+          2.0 * T * nh * keys * D, [=](cudaStream_t st) { on_wgx(pre, st); });
+    }
     // The denoise attention as cuBLASLt GEMMs around a softmax (CudaOptions::gemm_attention: the engine's path for
     // the full layers; the sliding layers keep the fused kernel), over n_keys contiguous key rows.
     const int n_keys = int(n_old + T), n_cols = cuda::gemm_attention_key_columns(n_keys);

@@ -200,6 +200,9 @@ void set_attention_key_runs(bool on);
 // A/B (bench --no-attn-q-tma): attention_ws_k's Q rows by TMA from its producer (on, the default, where the group size
 // divides 64) or by the consumers' own cp.async. The results are bitwise the same.
 void set_attention_q_tma(bool on);
+// A/B (bench --no-attn-ws512): head dim 512 on attention_ws_k in cluster pairs of half-D blocks (on, the default on
+// sm_90a) or on attention_wgx_k. Not bitwise the same (another summation order inside the tensor cores' products).
+void set_attention_ws512(bool on);
 
 // ---- denoise attention on cuBLASLt (kernels_attention_gemm.cu) ----
 // A denoise pass's queries all see the same n keys (no mask), so per query head h (kv head h / (nh / nkv)):

@@ -1,7 +1,10 @@
 // Flash attention on tensor cores, FlashAttention-2 style: rows are (query, head-of-the-group) pairs of one kv head,
 // so the K/V tiles of a kv head serve all its query heads. Four kernels (launch<D> picks):
-//   attention_wgx_k<512>  Hopper (sm_90a build loaded), D = 512: a cluster of two blocks per 128-row tile, each with
-//                         half the head dim, wgmma, partial S swapped through distributed shared memory (below).
+//   attention_ws_k<512>   Hopper (sm_90a build loaded), D = 512: attention_ws_k (below) in clusters of two blocks per
+//                         128-row tile, each with half the head dim, the partial S swapped through distributed shared
+//                         memory as attention_wgx_k does (WsCfg::pair). The default at D = 512 (set_attention_ws512).
+//   attention_wgx_k<512>  Hopper, D = 512: the same split of the head dim over a cluster pair, not warp-specialized
+//                         (every thread loads by cp.async, one block barrier a tile; below).
 //   attention_ws_k<256>   Hopper, D = 256: attention_wg_k's math, warp-specialized (a loading warpgroup, two computing
 //                         warpgroups; below). The one used at D = 256 on Hopper.
 //   attention_wg_k<256>   Hopper, D = 256: wgmma (Q, K, V from shared memory, P from registers), 128-row blocks
@@ -890,13 +893,21 @@ constexpr int kWsThreads = 384;
 // two named barriers (ids 2, 3; 256 threads: the one waiting and the other one arriving), so one's softmax runs while
 // the other's wgmmas occupy the tensor cores.
 [[maybe_unused]] constexpr bool kWsPingPong = true;
+// D = 512 (`pair`): a cluster of two blocks per 128-row tile, each with half the head dim (DH = 256, the D = 256
+// block's tiles and registers), the two partial S = Q_half K_half^T swapped through distributed shared memory as in
+// attention_wgx_k (XA: st.async into the partner's buffer, completing on its mbarrier; a "buffer free" arrive back),
+// each consumer warpgroup with its partner's. x_bytes: the buffer the partner's partial S lands in.
 template <int D, int NK>
 struct WsCfg {
-  static_assert(D == 256, "");
-  static constexpr int BM = 128, BN = 64, RS = D * 16;
-  static constexpr size_t q_bytes = size_t(BM) * D * 2, kv_bytes = size_t(BN) * D * 2;
-  static constexpr size_t bar_off = q_bytes + size_t(NK + 2) * kv_bytes;
-  static constexpr size_t smem = bar_off + 8 * (2 * NK + 6);  // K / V full and empty, two Q full
+  static_assert(D == 256 || D == 512, "");
+  static constexpr bool pair = D == 512;
+  static constexpr int DH = pair ? D / 2 : D;
+  static constexpr int BM = 128, BN = 64, RS = DH * 16;
+  static constexpr size_t q_bytes = size_t(BM) * DH * 2, kv_bytes = size_t(BN) * DH * 2;
+  static constexpr size_t x_off = q_bytes + size_t(NK + 2) * kv_bytes, x_bytes = pair ? size_t(BM) * BN * 4 : 0;
+  static constexpr size_t bar_off = x_off + x_bytes;
+  // K / V full and empty, two Q full; pair: xfull and xfree of each consumer warpgroup
+  static constexpr size_t smem = bar_off + 8 * (2 * NK + 6) + (pair ? 32 : 0);
 };
 
 // load_tile / load_q_tile for NTH threads: chunk i = t + NTH k of a ROWS x W tile -> row r, 16-byte column chunk c8,
@@ -1060,11 +1071,18 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
   // Everything up to pdl_wait() below (the block's place, its key tiles, the barriers, the tensor maps' prefetch)
   // reads only the kernel's parameters and shared memory, so it runs while the predecessor finishes.
   using C = WsCfg<D, NK>;
-  constexpr int BM = C::BM, BN = C::BN, RS = C::RS, NT = BN / 8, OT = D / 8;
+  constexpr bool kPair = C::pair;
+  constexpr int DH = C::DH, BM = C::BM, BN = C::BN, RS = C::RS, NT = BN / 8, OT = DH / 8;
+  static_assert(!kPair || SW, "D = 512 pairs use the 128-byte swizzled tiles");
   constexpr uint32_t kVLbo = RS, kVSbo = 128;
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x;
-  const BlockPlace bp = block_place<BM, BN>(a, sp, int(blockIdx.x), int(gridDim.x));
+  uint32_t rank = 0;  // pair: this block's half of the head dim
+  if constexpr (kPair) asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  const int colh = int(rank) * DH;  // the first head-dim column this block loads and writes
+  // pair: a cluster shares one row tile, tile blockIdx.x / 2 of gridDim.x / 2
+  const BlockPlace bp = kPair ? block_place<BM, BN>(a, sp, int(blockIdx.x) >> 1, int(gridDim.x) >> 1)
+                              : block_place<BM, BN>(a, sp, int(blockIdx.x), int(gridDim.x));
   const int g = bp.g, kvh = bp.kvh, split = bp.split, rows_total = bp.rows_total, m0 = bp.m0;
   const int64_t q_min = bp.kr.q_min, q_max = bp.kr.q_max;
   int64_t jb = bp.kr.jb, je = bp.kr.je;
@@ -1086,18 +1104,25 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
   auto full_v = [&](int s) { return bars + 8u * uint32_t(2 * NK + s); };
   auto empty_v = [&](int s) { return bars + 8u * uint32_t(2 * NK + 2 + s); };
   auto full_q = [&](int w) { return bars + 8u * uint32_t(2 * NK + 4 + w); };
+  auto xfull = [&](int w) { return bars + 8u * uint32_t(2 * NK + 6 + w); };  // pair: the partner's S has landed
+  auto xfree = [&](int w) { return bars + 8u * uint32_t(2 * NK + 8 + w); };  // pair: the partner read ours
   const bool q_tma = TMA && maps.q_tma;
   if (tid == 0) {
     for (int s = 0; s < NK; ++s) mbar_init(full_k(s), 128), mbar_init(empty_k(s), 8);
     for (int s = 0; s < 2; ++s) mbar_init(full_v(s), 128), mbar_init(empty_v(s), 8);
     for (int w = 0; w < 2; ++w) mbar_init(full_q(w), 1);
+    if constexpr (kPair) {
+      for (int w = 0; w < 2; ++w) mbar_init(xfull(w), 1), mbar_init(xfree(w), 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
     if constexpr (TMA) {
       for (const TmaMap* m : {&maps.kc, &maps.vc, &maps.kn, &maps.vn})
         asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(m)) : "memory");
       if (q_tma) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.q)) : "memory");
     }
   }
-  __syncthreads();
+  if constexpr (kPair) cluster_sync_all();  // the partner's barriers exist before any DSMEM store into them
+  else __syncthreads();
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
 
@@ -1129,44 +1154,46 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
           if (tid == 0) {
             const RunTile rt = run_tile(kr, a, j0);
             const TmaMap& m = rt.cached ? (is_k ? maps.kc : maps.vc) : (is_k ? maps.kn : maps.vn);
-            mbar_arrive_expect_tx(bar, uint32_t(64 * D * 2));
+            mbar_arrive_expect_tx(bar, uint32_t(64 * DH * 2));
             const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
 #pragma unroll
-            for (int c = 0; c < D / 64; ++c) tma_load_3d(d + uint32_t(c * 64 * 128), &m, c * 64, kvh, int(rt.row0), bar);
+            for (int c = 0; c < DH / 64; ++c)
+              tma_load_3d(d + uint32_t(c * 64 * 128), &m, colh + c * 64, kvh, int(rt.row0), bar);
           } else {
             mbar_arrive(bar);
           }
           return;
         }
-        if (contiguous_keys(cache, fresh, a, D, kvh, 0, j0, je, fp_mod)) {
+        if (contiguous_keys(cache, fresh, a, D, kvh, colh, j0, je, fp_mod)) {
           flush();  // the previous cp.async tile's barrier first, then this one at once
           if (tid == 0) {
             const bool cached = j0 + 64 <= a.n_old;
             int64_t row = cached ? fp_mod + j0 : j0 - a.n_old;
             if (cached && row >= a.cap) row -= a.cap;
             const TmaMap& m = cached ? (is_k ? maps.kc : maps.vc) : (is_k ? maps.kn : maps.vn);
-            mbar_arrive_expect_tx(bar, uint32_t(64 * D * 2));
+            mbar_arrive_expect_tx(bar, uint32_t(64 * DH * 2));
             const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
 #pragma unroll
-            for (int c = 0; c < D / 64; ++c) tma_load_3d(d + uint32_t(c * 64 * 128), &m, c * 64, kvh, int(row), bar);
+            for (int c = 0; c < DH / 64; ++c)
+              tma_load_3d(d + uint32_t(c * 64 * 128), &m, colh + c * 64, kvh, int(row), bar);
           } else {
             mbar_arrive(bar);
           }
           return;
         }
       }
-      ws_load_tile<SW, D, 128>(dst, cache, fresh, a, D, kvh, 0, j0, je, fp_mod, tid);
+      ws_load_tile<SW, DH, 128>(dst, cache, fresh, a, D, kvh, colh, j0, je, fp_mod, tid);
       signal(bar);
     };
     if (q_tma && tid == 0) {  // both warpgroups' Q rows first: the consumers wait for nothing else to start
       if constexpr (TMA) {
 #pragma unroll
         for (int w = 0; w < 2; ++w) {
-          mbar_arrive_expect_tx(full_q(w), uint32_t(64 * D * 2));
+          mbar_arrive_expect_tx(full_q(w), uint32_t(64 * DH * 2));
 #pragma unroll
-          for (int c = 0; c < D / 64; ++c)
-            tma_load_3d(base + uint32_t(c * BM * 128 + w * 64 * 128), &maps.q, c * 64, kvh * g, (m0 + w * 64) / g,
-                        full_q(w));
+          for (int c = 0; c < DH / 64; ++c)
+            tma_load_3d(base + uint32_t(c * BM * 128 + w * 64 * 128), &maps.q, colh + c * 64, kvh * g,
+                        (m0 + w * 64) / g, full_q(w));
         }
       }
     }
@@ -1191,6 +1218,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
     const int ct = tid - 128, warp = ct >> 5, lane = ct & 31, grp = lane >> 2, tig = lane & 3;
     const int wg = ct >> 7, wwarp = warp & 3, rbase = wg * 64;
     DG_TL(ct == 0, kTlSetup, clock64());
+    // pair: the partner's exchange buffer and this warpgroup's barriers there
+    uint32_t x_remote = 0, xfull_remote = 0, xfree_remote = 0;
+    if constexpr (kPair) {
+      const uint32_t peer = rank ^ 1u;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(x_remote) : "r"(base + uint32_t(C::x_off)), "r"(peer));
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(xfull_remote) : "r"(xfull(wg)), "r"(peer));
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(xfree_remote) : "r"(xfree(wg)), "r"(peer));
+    }
     int64_t qp[2];
     row_positions(a, m0 + rbase + wwarp * 16 + grp, rows_total, g, qp);
     float o[OT * 4];
@@ -1218,7 +1253,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
     if (q_tma) {
       mbar_wait_cta(full_q(wg), 0);
     } else {
-      ws_load_q<SW, D, 128>(smem, a, D, kvh, g, 0, m0, rows_total, ct & 127, rbase);
+      ws_load_q<SW, DH, 128>(smem, a, D, kvh, g, colh, m0, rows_total, ct & 127, rbase);
       cp_async_commit();
       cp_async_wait<0>();
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -1248,7 +1283,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       const uint64_t kd = SW ? wg_desc(kbuf + uint32_t(ks * C::kv_bytes), 16, 1024) | kSw
                              : wg_desc(kbuf + uint32_t(ks * C::kv_bytes), 128, RS);
 #pragma unroll
-      for (int kk = 0; kk < D; kk += 16) wg_ss_n64(s, qd + kstep(kk, BM), kd + kstep(kk, BN));
+      for (int kk = 0; kk < DH; kk += 16) wg_ss_n64(s, qd + kstep(kk, BM), kd + kstep(kk, BN));
       wg_commit();
       DG_TL_LAP(kTlLapIssueS);
       if (i > 0) {
@@ -1266,6 +1301,28 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       reg_fence(s);
       DG_TL_LAP(kTlLapWaitS);
       if (lane == 0) mbar_arrive(empty_k(ks));
+      if constexpr (kPair) {  // S = our partial + the partner's: the same thread there holds the same elements
+        if (i > 0) mbar_wait(xfree(wg), uint32_t((i - 1) & 1));  // the partner's warpgroup read tile i - 1's
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+          asm volatile(
+              "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1,%2,%3,%4}, [%5];\n" ::"r"(
+                  x_remote + uint32_t((t * 256 + ct) * 16)),
+              "f"(s[4 * t]), "f"(s[4 * t + 1]), "f"(s[4 * t + 2]), "f"(s[4 * t + 3]), "r"(xfull_remote)
+              : "memory");
+        if ((ct & 127) == 0)
+          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(xfull(wg)), "n"(NT * 16 * 128)
+                       : "memory");
+        mbar_wait(xfull(wg), uint32_t(i & 1));
+        const float* xs = reinterpret_cast<const float*>(smem + C::x_off);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const float4 x = *reinterpret_cast<const float4*>(xs + (t * 256 + ct) * 4);
+          s[4 * t] += x.x, s[4 * t + 1] += x.y, s[4 * t + 2] += x.z, s[4 * t + 3] += x.w;
+        }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(6 + wg) : "memory");  // the warpgroup's reads are done
+        if ((ct & 127) == 0) asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(xfree_remote) : "memory");
+      }
       float alpha[2];
       mask_softmax<NT>(s, alpha, m_r, l_r, a, j0, tile_je, q_min, q_max, qp, tig);
       DG_TL_LAP(kTlLapSoftmax);
@@ -1296,12 +1353,13 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       reg_fence(o);
     }
     DG_TL(ct == 0, kTlLastPv, clock64());
-    finish_rows<D, OT>(a, sp, split, kvh, g, rows_total, m0 + rbase + wwarp * 16 + grp, tig * 2, tig == 0, m_r, l_r,
-                       [&](int t, int c) { return o[t * 4 + c]; });
+    finish_rows<D, OT>(a, sp, split, kvh, g, rows_total, m0 + rbase + wwarp * 16 + grp, colh + tig * 2,
+                       rank == 0 && tig == 0, m_r, l_r, [&](int t, int c) { return o[t * 4 + c]; });
     DG_TL(ct == 0, kTlStored, clock64());
     DG_TL(ct == 0, kTlEndNs, tl_ns());
     DG_TL(ct == 0, kTlTiles, ntiles);
   }
+  if constexpr (kPair) cluster_sync_all();  // no block leaves while its partner may still arrive on its mbarriers
 #else
   static_assert(WsCfg<D, NK>::RS > 0 && (SW || !SW), "");
 #endif
@@ -1630,6 +1688,7 @@ int g_attention_splits = 0;  // set_attention_splits
 bool g_attention_tma = true;  // set_attention_tma
 bool g_attention_key_runs = true;  // set_attention_key_runs
 bool g_attention_q_tma = true;     // set_attention_q_tma
+bool g_attention_ws512 = true;     // set_attention_ws512
 
 Split pick_split(const AttentionArgs& a, int base, int64_t tiles, int D) {
   const int rows = a.T * (a.nh / a.nkv);
@@ -1662,10 +1721,59 @@ void combine(const AttentionArgs& a, const Split& sp, cudaStream_t s) {
   CUDA_CHECK_LAUNCH();
 }
 
+// attention_ws_k's tensor maps for a launch of head dim D (Q by TMA where the group size divides 64).
+WsKvMaps ws_maps(const AttentionArgs& a, int D) {
+  WsKvMaps maps{};
+  const bool tma = kWsTma && kWsSw128 && g_attention_tma;
+  maps.runs = tma && !a.causal && g_attention_key_runs ? 1 : 0;
+  const int g = a.nh / a.nkv;
+  maps.q_tma = tma && g_attention_q_tma && 64 % g == 0 ? 1 : 0;
+  if (tma) {
+    const int64_t fresh_rows = std::max<int64_t>(a.T_new, 1);
+    maps.kn = tma_map_bf16_heads(a.k_new, fresh_rows, a.nkv, D, 64);
+    maps.vn = tma_map_bf16_heads(a.v_new, fresh_rows, a.nkv, D, 64);
+    const bool cache = a.k_cache && a.v_cache && a.cap > 0;
+    maps.kc = cache ? tma_map_bf16_heads(a.k_cache, a.cap, a.nkv, D, 64) : maps.kn;
+    maps.vc = cache ? tma_map_bf16_heads(a.v_cache, a.cap, a.nkv, D, 64) : maps.vn;
+    if (maps.q_tma) maps.q = tma_map_bf16_heads(a.q, a.T, a.nh, D, 64 / g, g);
+  }
+  return maps;
+}
+
 template <int D>
 void launch(const AttentionArgs& a, cudaStream_t s) {
   using C = Cfg<D>;
   const int rows = a.T * (a.nh / a.nkv);
+  if constexpr (D == 512) {  // attention_ws_k in cluster pairs (WsCfg::pair)
+    constexpr auto wsp = attention_ws_k<512, kWsK, true, false>;
+    constexpr auto wsp_tma = attention_ws_k<512, kWsK, true, kWsTma>;
+    static const bool ws = kWgmma && kWsSw128 && [] {
+      if (!sm90a_image_of(wsp)) return false;
+      for (auto k : {wsp, wsp_tma})
+        CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(WsCfg<512, kWsK>::smem)));
+      return true;
+    }();
+    if (ws && g_attention_ws512) {
+      using W = WsCfg<512, kWsK>;
+      const int row_tiles = (rows + W::BM - 1) / W::BM;
+      const Split sp = pick_split(a, 2 * row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
+      const WsKvMaps maps = ws_maps(a, D);
+      const bool tma = kWsTma && g_attention_tma;
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(unsigned(2 * row_tiles), unsigned(a.nkv), unsigned(sp.nsplit));
+      cfg.blockDim = dim3(kWsThreads);
+      cfg.dynamicSmemBytes = W::smem;
+      cfg.stream = s;
+      cudaLaunchAttribute at[2];
+      at[0].id = cudaLaunchAttributeClusterDimension;
+      at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+      at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // launch.cuh
+      at[1].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = at, cfg.numAttrs = pdl_enabled() ? 2 : 1;
+      CUDA_CHECK(cudaLaunchKernelEx(&cfg, tma ? wsp_tma : wsp, a, sp, maps));
+      return combine(a, sp, s);
+    }
+  }
   if constexpr (D == 512 || D == 256) {
     constexpr auto kernel = attention_wgx_k<D, kXAsync, kWgxSw128>;
     static const bool wgx = kWgmma && (D == 512 ? kWgx512 : kWgx256) && [] {
@@ -1706,20 +1814,8 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       using W = WsCfg<256, kWsK>;
       const int row_tiles = (rows + W::BM - 1) / W::BM;
       const Split sp = pick_split(a, row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
-      WsKvMaps maps{};
+      const WsKvMaps maps = ws_maps(a, 256);
       const bool tma = kWsTma && kWsSw128 && g_attention_tma;
-      maps.runs = tma && !a.causal && g_attention_key_runs ? 1 : 0;
-      const int g = a.nh / a.nkv;
-      maps.q_tma = tma && g_attention_q_tma && 64 % g == 0 ? 1 : 0;
-      if (tma) {
-        const int64_t fresh_rows = std::max<int64_t>(a.T_new, 1);
-        maps.kn = tma_map_bf16_heads(a.k_new, fresh_rows, a.nkv, 256, 64);
-        maps.vn = tma_map_bf16_heads(a.v_new, fresh_rows, a.nkv, 256, 64);
-        const bool cache = a.k_cache && a.v_cache && a.cap > 0;
-        maps.kc = cache ? tma_map_bf16_heads(a.k_cache, a.cap, a.nkv, 256, 64) : maps.kn;
-        maps.vc = cache ? tma_map_bf16_heads(a.v_cache, a.cap, a.nkv, 256, 64) : maps.vn;
-        if (maps.q_tma) maps.q = tma_map_bf16_heads(a.q, a.T, a.nh, 256, 64 / g, g);
-      }
       launch_pdl(tma ? wsk_tma : wsk, dim3(dim3(row_tiles, a.nkv, sp.nsplit)), dim3(kWsThreads), W::smem, s, a, sp,
                  maps);
       CUDA_CHECK_LAUNCH();
@@ -1760,6 +1856,7 @@ void set_attention_splits(int n) { g_attention_splits = n > 0 ? n : 0; }
 void set_attention_tma(bool on) { g_attention_tma = on; }
 void set_attention_key_runs(bool on) { g_attention_key_runs = on; }
 void set_attention_q_tma(bool on) { g_attention_q_tma = on; }
+void set_attention_ws512(bool on) { g_attention_ws512 = on; }
 
 #ifdef DG_ATTN_TIMELINE
 // The per-block timestamps of the last launch (TlSlot order, kTlSlots each); clear_attention_timeline() zeroes them.
