@@ -48,6 +48,7 @@ struct BenchArgs {
   bool no_attn_ws512 = false;     // cuda::set_attention_ws512(false)
   bool no_softmax_reverse = false;  // cuda::set_softmax_rows_reverse(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
+  int gemm_attention_max_keys = 0;  // > 0: CudaOptions::gemm_attention_max_keys
   bool no_fused_sc_probs = false;  // CudaOptions::fused_sc_probs = false
   bool bf16_logits = false;        // CudaOptions::bf16_logits = true
   bool router_tc = false;
@@ -178,6 +179,7 @@ int run_bench(const BenchArgs& args) {
   opt.overlap_dense_mlp = !args.no_overlap;
   opt.fused_router = !args.cublas_router;
   opt.gemm_attention = !args.no_gemm_attention;
+  if (args.gemm_attention_max_keys > 0) opt.gemm_attention_max_keys = args.gemm_attention_max_keys;
   opt.fused_sc_probs = !args.no_fused_sc_probs;
   opt.bf16_logits = args.bf16_logits;
   if (args.dense_mlp_sms >= 0) opt.dense_mlp_sms = args.dense_mlp_sms;
@@ -249,7 +251,10 @@ int run_bench(const BenchArgs& args) {
   out["overlap_dense_mlp"] = !args.no_overlap;
   out["dense_mlp_sms"] = opt.dense_mlp_sms;
   out["pdl"] = !args.no_pdl;
-  out["full_layer_denoise_attention"] = opt.gemm_attention ? "cuBLASLt S = QK^T, softmax, PV" : "fused attention_wgx_k";
+  out["full_layer_denoise_attention"] =
+      opt.gemm_attention ? "cuBLASLt S = QK^T, softmax, PV up to " + std::to_string(opt.gemm_attention_max_keys) +
+                               " keys, the fused kernel beyond"
+                         : std::string("the fused kernel");
   out["router"] = opt.fused_router ? "router_top_k (two launches, expert masks)" : "cuBLASLt f32 GEMM + top-k + assign";
   out["experts"] = args.grouped_experts ? "grouped kernels"
                    : args.cublas_experts ? "padded strided-batched cuBLASLt"
@@ -609,6 +614,10 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--no-gemm-attention", a->no_gemm_attention,
                                     "A/B: the full layers' denoise attention on the fused kernel instead of two "
                                     "cuBLASLt GEMMs around a softmax (CudaOptions::gemm_attention = false)");
+                       sub.add_option("--gemm-attention-max-keys", a->gemm_attention_max_keys,
+                                      "A/B: the most keys (cached + canvas) a full layer's denoise attention runs on "
+                                      "the GEMM path; beyond, the fused kernel (CudaOptions::gemm_attention_max_keys)")
+                           ->check(CLI::Range(1, 1 << 24));
                        sub.add_flag("--no-attn-tma", a->no_attn_tma,
                                     "A/B: the sliding attention kernel's K / V tiles all by cp.async instead of TMA "
                                     "(cuda::set_attention_tma)");

@@ -58,12 +58,15 @@ struct CudaOptions {
   // sliding_rewind tokens needs no recomputation.
   int64_t sliding_rewind = 512;
   // Denoise passes run the full-attention layers' attention as two cuBLASLt GEMMs around one softmax kernel
-  // (kernels_attention_gemm.cu; every canvas query sees the same keys) instead of the fused attention_wgx_k, up to
+  // (kernels_attention_gemm.cu; every canvas query sees the same keys) instead of the fused attention kernel, up to
   // gemm_attention_max_keys keys (cached + canvas); beyond, the fused kernel. Its scores and probabilities take
-  // num_heads x canvas_length x min(max_context, gemm_attention_max_keys) x 6 bytes (830 MB at the defaults).
-  // H200, full layer at kv 4096: 89.6 vs 138.9 us alone (session 9). A/B: bench --no-gemm-attention.
+  // num_heads x canvas_length x min(max_context, gemm_attention_max_keys) x 6 bytes (201 MB at the defaults).
+  // H200, full layer at kv 4096: 89.6 vs 138.9 us alone for attention_wgx_k (session 9), 90.6 vs 102.8 for the
+  // cluster-pair attention_ws_k (session 28); at kv 32768 769.1 vs 619.6 us for the pair (the 32K step 18.82 vs
+  // 18.07 ms), so the GEMM path stops at 8192 keys (the crossover by those two points: ~6.5-9.5K keys). A/B: bench
+  // --no-gemm-attention, --gemm-attention-max-keys.
   bool gemm_attention = true;
-  int gemm_attention_max_keys = 36864;
+  int gemm_attention_max_keys = 8192;
   int prefill_chunk = 4096;  // prefill runs in chunks of at most this many tokens (bounds the scratch arenas)
   bool progress = true;      // weight upload progress on stderr
   CudaStageTimes* stage_times = nullptr;  // not owned; see CudaStageTimes
