@@ -1726,6 +1726,24 @@ void combine(const AttentionArgs& a, const Split& sp, cudaStream_t s) {
   CUDA_CHECK_LAUNCH();
 }
 
+// A launch in clusters of two blocks along x (the D = 512 kernels' half-D pairs), programmatic where PDL is on
+// (launch.cuh).
+template <class... Params, class... Args>
+void launch_pairs(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t s, const Args&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute at[2];
+  at[0].id = cudaLaunchAttributeClusterDimension;
+  at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+  at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at, cfg.numAttrs = pdl_enabled() ? 2 : 1;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
 // attention_ws_k's tensor maps for a launch of head dim D (Q by TMA where the group size divides 64).
 WsKvMaps ws_maps(const AttentionArgs& a, int D) {
   WsKvMaps maps{};
@@ -1764,18 +1782,8 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       const Split sp = pick_split(a, 2 * row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
       const WsKvMaps maps = ws_maps(a, D);
       const bool tma = kWsTma && g_attention_tma;
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(unsigned(2 * row_tiles), unsigned(a.nkv), unsigned(sp.nsplit));
-      cfg.blockDim = dim3(kWsThreads);
-      cfg.dynamicSmemBytes = W::smem;
-      cfg.stream = s;
-      cudaLaunchAttribute at[2];
-      at[0].id = cudaLaunchAttributeClusterDimension;
-      at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
-      at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // launch.cuh
-      at[1].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = at, cfg.numAttrs = pdl_enabled() ? 2 : 1;
-      CUDA_CHECK(cudaLaunchKernelEx(&cfg, tma ? wsp_tma : wsp, a, sp, maps));
+      launch_pairs(tma ? wsp_tma : wsp, dim3(unsigned(2 * row_tiles), unsigned(a.nkv), unsigned(sp.nsplit)),
+                   kWsThreads, W::smem, s, a, sp, maps);
       return combine(a, sp, s);
     }
   }
@@ -1790,18 +1798,8 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       using W = WgxCfg<D>;
       const int row_tiles = (rows + W::BM - 1) / W::BM;
       const Split sp = pick_split(a, 2 * row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(unsigned(2 * row_tiles), unsigned(a.nkv), unsigned(sp.nsplit));
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = W::smem;
-      cfg.stream = s;
-      cudaLaunchAttribute at[2];
-      at[0].id = cudaLaunchAttributeClusterDimension;
-      at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
-      at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // launch.cuh
-      at[1].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = at, cfg.numAttrs = pdl_enabled() ? 2 : 1;
-      CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, sp));
+      launch_pairs(kernel, dim3(unsigned(2 * row_tiles), unsigned(a.nkv), unsigned(sp.nsplit)), kThreads, W::smem, s,
+                   a, sp);
       return combine(a, sp, s);
     }
   }
