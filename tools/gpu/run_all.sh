@@ -104,8 +104,10 @@ if [ "${KERNEL_BENCH:-1}" = 1 ]; then
 fi
 # AB_ARGS: A/B benches after the main one, ';'-separated flag sets, each with AB_COMMON (default: the 4K step and
 # prefill only), e.g. AB_ARGS="--cublas-router;--no-overlap" -> bench_ab1.json, bench_ab2.json, in the summary.
+# An empty set is the defaults, also as the last one ("--no-overlap;": read -a drops a trailing empty field).
 ab_i=0
 IFS=';' read -ra ab_sets <<<"${AB_ARGS:-}"
+if [[ "${AB_ARGS:-}" == *';' ]]; then ab_sets+=(""); fi
 for ab in "${ab_sets[@]}"; do
   ab_i=$((ab_i + 1))
   echo "A/B $ab_i: $ab" >"$OUT/bench_ab$ab_i.log"
