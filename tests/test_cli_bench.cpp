@@ -23,6 +23,16 @@ TEST(BenchKernelsCli, RejectsBadArgumentsByName) {
   EXPECT_TRUE(contains(r.output, "--reps")) << r.output;
 }
 
+// bench's A/B options with a range: a value outside it is named with the option, before any GPU work.
+TEST(BenchCli, RejectsOutOfRangeOptionsByName) {
+  for (const char* arg : {"--gemm-attention-max-keys 0", "--attn-splits 17"}) {
+    const CommandResult r = run_command(std::string(DIFFGEMMA_BINARY) + " bench " + arg);
+    EXPECT_NE(r.status, 0) << arg << ": " << r.output;
+    EXPECT_TRUE(contains(r.output, std::string(arg).substr(0, std::string(arg).find(' ')))) << r.output;
+    EXPECT_TRUE(contains(r.output, "not in range")) << r.output;
+  }
+}
+
 TEST(BenchKernelsCli, SaysWhyWithoutAGpu) {
 #ifdef DIFFGEMMA_WITH_CUDA
   if (dg::cuda::query_device(0).available) GTEST_SKIP() << "a GPU is present: the no-GPU answer cannot be seen here";
