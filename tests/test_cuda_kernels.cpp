@@ -434,7 +434,13 @@ void check_attention(int T, int nh, int nkv, int D, int64_t cap, int64_t first_p
   // D = 512 also on attention_wgx_k (the cluster-pair attention_ws_k is the default where there is an sm_90a image),
   // and the default launch twice: the two blocks of a pair add the partial S in either order, so repeat runs and the
   // pair must agree bitwise.
-  Dev<bf16> out_wgx(D == 512 ? q.size() : 1), out_again(q.size());
+  Dev<bf16> out_wgx(D == 512 ? q.size() : 1), out_again(q.size()), out_cp_async(q.size());
+  // Every K / V (and Q) tile by cp.async (set_attention_tma(false), which also tiles the keys by index): the same
+  // bits as the launch that tiles them the same way with TMA where a tile is contiguous.
+  set_attention_tma(false);
+  a.out = out_cp_async.p;
+  attention(a, nullptr);
+  set_attention_tma(true);
   if (D == 512) {
     set_attention_ws512(false);
     a.out = out_wgx.p;
@@ -449,6 +455,9 @@ void check_attention(int T, int nh, int nkv, int D, int64_t cap, int64_t first_p
     const std::vector<bf16> x = out.get(), y = out_again.get();
     EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(bf16)), 0)
         << "repeat launch: T " << T << " D " << D << " n_old " << n_old;
+    const std::vector<bf16> tma = causal ? x : out_index.get(), cp = out_cp_async.get();
+    EXPECT_EQ(std::memcmp(tma.data(), cp.data(), cp.size() * sizeof(bf16)), 0)
+        << "all by cp.async vs TMA: T " << T << " D " << D << " n_old " << n_old;
   }
   const size_t row = size_t(nkv) * D;
   const int64_t nk = n_old + T;
@@ -471,8 +480,9 @@ void check_attention(int T, int nh, int nkv, int D, int64_t cap, int64_t first_p
   ThreadPool pool(2);
   cpu::attention(pool, q.data(), T, nh, K.data(), Vv.data(), nk, nkv, D, m, want.data());
   EXPECT_LE(rel_err(from_bf16(out.get()), want), 2e-2) << "T " << T << " D " << D << " n_old " << n_old;
-  if (D == 512)
+  if (D == 512) {
     EXPECT_LE(rel_err(from_bf16(out_wgx.get()), want), 2e-2) << "attention_wgx_k: T " << T << " n_old " << n_old;
+  }
   if (!causal) {
     EXPECT_LE(rel_err(from_bf16(out_index.get()), want), 2e-2)
         << "keys tiled by index: T " << T << " D " << D << " n_old " << n_old;
@@ -499,6 +509,9 @@ TEST(CudaKernels, Attention) {
   check_attention(300, 16, 2, 512, 1000, 7, 333, true, 0);
   check_attention(257, 16, 2, 512, 400, 350, 300, false, 0);
   check_attention(256, 16, 2, 512, 1024, 0, 1000, false, 0);  // a full layer's denoise shape (fewer cached keys)
+  // D = 512 with a group of 3 (Q by the consumers' cp.async: 64 is no multiple of 3), denoise and causal
+  check_attention(37, 6, 2, 512, 100, 0, 90, false, 0);
+  check_attention(33, 6, 2, 512, 64, 0, 50, true, 0);
   check_attention(100, 6, 2, 48, 70, 3, 61, false, 0);
   check_attention(77, 8, 1, 128, 130, 0, 129, true, 16);
   check_attention(50, 4, 4, 80, 64, 10, 60, false, 0);
