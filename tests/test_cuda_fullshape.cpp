@@ -240,6 +240,55 @@ TEST(CudaFullShape, ExpertTwoTokenTilesMatchOneTile) {
   EXPECT_GE(double(agree) / L, 0.99);
 }
 
+// The full layers' denoise attention on the fused kernel (CudaOptions::gemm_attention_max_keys 1: every context past
+// it; the cluster-pair attention_ws_k at D = 512) against the default GEMM path (S = QK^T, softmax, PV) at the
+// fixture's context, with and without self-conditioning and after a commit: the same math in another order, so the
+// logits agree to bf16 noise (cosine >= 0.9999, argmax on >= 99% of the rows).
+TEST(CudaFullShape, FusedDenoiseAttentionMatchesGemmPath) {
+  std::string skip;
+  const std::string dir = fullshape_dir(skip);
+  if (dir.empty()) GTEST_SKIP() << skip;
+  auto model = load_model(dir);
+  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
+  auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
+  auto c1 = cased["canvas1"].get<std::vector<int32_t>>(), c2 = cased["canvas2"].get<std::vector<int32_t>>();
+  const int L = int(c1.size()), V = model->config.vocab_size;
+  std::vector<DenoiseResult> outs[2];  // [fused]: the first canvas, then with its SC, then the second canvas
+  for (bool fused : {false, true}) {
+    CudaOptions opt = cuda_test_options();
+    opt.max_context = int64_t(prompt.size() + c1.size() + c2.size());
+    opt.progress = false;
+    if (fused) opt.gemm_attention_max_keys = 1;
+    auto gpu = make_cuda_backend(*model, opt);
+    gpu->prefill(prompt);
+    auto& o = outs[fused];
+    o.resize(3);
+    DenoiseRequest req;
+    req.canvas = c1;
+    req.temperature = 0.8f;
+    req.want_logits = true;
+    gpu->denoise(req, o[0]);
+    req.self_condition = SelfCondition::PreviousStep;
+    gpu->denoise(req, o[1]);
+    gpu->prefill(c1);
+    req.canvas = c2;
+    req.self_condition = SelfCondition::None;
+    gpu->denoise(req, o[2]);
+  }
+  const char* names[3] = {"nosc", "previous-step SC", "after commit"};
+  for (int i = 0; i < 3; ++i) {
+    const DenoiseResult &a = outs[0][size_t(i)], &b = outs[1][size_t(i)];
+    ASSERT_EQ(a.logits.size(), size_t(L) * V);
+    ASSERT_EQ(b.logits.size(), size_t(L) * V);
+    int agree = 0;
+    for (int r = 0; r < L; ++r) agree += a.rows[size_t(r)].argmax == b.rows[size_t(r)].argmax;
+    const double c = cosine(a.logits, b.logits);
+    std::printf("[fullshape] fused vs GEMM denoise attention, %s: cosine %.7f, argmax %d/%d\n", names[i], c, agree, L);
+    EXPECT_GE(c, 0.9999) << names[i];
+    EXPECT_GE(double(agree) / L, 0.99) << names[i];
+  }
+}
+
 // CudaOptions::auto_two_token_tiles_heavy (the default): on the same concentrated canvas a canvas's first step runs on
 // one token tile (bitwise the fixed one-tile backend's step, through the layer graph and the whole-step graph), the
 // PreviousStep steps after it on two (their logits agree with the one-tile backend's to bf16 noise), and
