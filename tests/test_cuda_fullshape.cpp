@@ -141,6 +141,21 @@ std::string fullshape_dir(std::string& skip) {
   return dir;
 }
 
+// The fixture's model, its case description (reference/case.json) and the case's prompt and two canvases.
+struct FullShapeCase {
+  std::unique_ptr<LoadedModel> model;
+  nlohmann::json cased;
+  std::vector<int32_t> prompt, c1, c2;
+};
+FullShapeCase fullshape_case(const std::string& dir) {
+  FullShapeCase c;
+  c.model = load_model(dir);
+  c.cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
+  c.prompt = c.cased["prompt_ids"].get<std::vector<int32_t>>();
+  c.c1 = c.cased["canvas1"].get<std::vector<int32_t>>(), c.c2 = c.cased["canvas2"].get<std::vector<int32_t>>();
+  return c;
+}
+
 // The fixture's model and prompt, and its first canvas reduced to its first 4 tokens (64 copies each): experts then
 // pass 32 and 64 rows.
 struct ConcentratedCase {
@@ -148,11 +163,8 @@ struct ConcentratedCase {
   std::vector<int32_t> prompt, canvas;
 };
 ConcentratedCase concentrated_case(const std::string& dir) {
-  ConcentratedCase c;
-  c.model = load_model(dir);
-  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
-  c.prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
-  c.canvas = cased["canvas1"].get<std::vector<int32_t>>();
+  FullShapeCase f = fullshape_case(dir);
+  ConcentratedCase c{std::move(f.model), std::move(f.prompt), std::move(f.c1)};
   for (size_t i = 0; i < c.canvas.size(); ++i) c.canvas[i] = c.canvas[i % 4];
   return c;
 }
@@ -161,10 +173,7 @@ TEST(CudaFullShape, MatchesHfTransformers) {
   std::string skip;
   const std::string dir = fullshape_dir(skip);
   if (dir.empty()) GTEST_SKIP() << skip;
-  auto model = load_model(dir);
-  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
-  auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
-  auto c1 = cased["canvas1"].get<std::vector<int32_t>>(), c2 = cased["canvas2"].get<std::vector<int32_t>>();
+  const auto [model, cased, prompt, c1, c2] = fullshape_case(dir);
   SafetensorsFile ref(dir + "/reference/ref.safetensors");
   auto floor = [&](const char* c) { return cased["stats"]["bf16_vs_f32"][c]["cosine"].get<double>(); };
   const bool cond = cased.value("mode", std::string("gaussian")) == "conditioned";
@@ -248,10 +257,7 @@ TEST(CudaFullShape, FusedDenoiseAttentionMatchesGemmPath) {
   std::string skip;
   const std::string dir = fullshape_dir(skip);
   if (dir.empty()) GTEST_SKIP() << skip;
-  auto model = load_model(dir);
-  auto cased = nlohmann::json::parse(read_text_file(dir + "/reference/case.json"));
-  auto prompt = cased["prompt_ids"].get<std::vector<int32_t>>();
-  auto c1 = cased["canvas1"].get<std::vector<int32_t>>(), c2 = cased["canvas2"].get<std::vector<int32_t>>();
+  const auto [model, cased, prompt, c1, c2] = fullshape_case(dir);
   const int L = int(c1.size()), V = model->config.vocab_size;
   std::vector<DenoiseResult> outs[2];  // [fused]: the first canvas, then with its SC, then the second canvas
   for (bool fused : {false, true}) {
