@@ -773,6 +773,34 @@ __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
 __device__ __forceinline__ void cluster_sync_all() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
+// The D = 512 cluster pairs' S exchange by st.async (XA; attention_wgx_k, attention_ws_k): a warpgroup stores its
+// partial S of tile i (NT float4 a thread, float4 t of thread `slot` at (t * 256 + slot) in the buffer of the two
+// warpgroups, 256 consumer threads) into the partner block's buffer, completing on the partner's xfull; once the
+// partner's has landed here (xfull) it adds it (a + b == b + a: both blocks hold bitwise the same S), then tells the
+// partner that this warpgroup has read its buffer (xfree there; the partner waits on it before storing tile i + 1's).
+// The partner's thread `slot` holds the same (row, key) elements. bar_id: the warpgroup's 128-thread named barrier.
+template <int NT>
+__device__ __forceinline__ void swap_partial_s(float (&s)[NT * 4], int64_t i, int slot, const float* x_local,
+                                               uint32_t x_remote, uint32_t xfull, uint32_t xfull_remote, uint32_t xfree,
+                                               uint32_t xfree_remote, int bar_id) {
+  if (i > 0) mbar_wait(xfree, uint32_t((i - 1) & 1));  // the partner's warpgroup is done reading tile i - 1
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1,%2,%3,%4}, [%5];\n" ::"r"(
+                     x_remote + uint32_t((t * 256 + slot) * 16)),
+                 "f"(s[4 * t]), "f"(s[4 * t + 1]), "f"(s[4 * t + 2]), "f"(s[4 * t + 3]), "r"(xfull_remote)
+                 : "memory");
+  if ((slot & 127) == 0)
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(xfull), "n"(NT * 16 * 128) : "memory");
+  mbar_wait(xfull, uint32_t(i & 1));
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const float4 x = *reinterpret_cast<const float4*>(x_local + (t * 256 + slot) * 4);
+    s[4 * t] += x.x, s[4 * t + 1] += x.y, s[4 * t + 2] += x.z, s[4 * t + 3] += x.w;
+  }
+  asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory");  // the warpgroup's reads are done
+  if ((slot & 127) == 0) asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(xfree_remote) : "memory");
+}
 #endif
 
 template <int D>
@@ -1152,18 +1180,20 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       pend = 0;
     };
     // One K or V tile of keys j0 .. j0 + 63 into the stage at `dst`, completing barrier `bar`.
+    // Thread 0: the 64 key rows from `row` of map m (the block's DH head-dim columns) into the stage at dst, by TMA.
+    auto tma_tile = [&](unsigned char* dst, const TmaMap& m, int64_t row, uint32_t bar) {
+      mbar_arrive_expect_tx(bar, uint32_t(64 * DH * 2));
+      const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+#pragma unroll
+      for (int c = 0; c < DH / 64; ++c) tma_load_3d(d + uint32_t(c * 64 * 128), &m, colh + c * 64, kvh, int(row), bar);
+    };
     auto load = [&](unsigned char* dst, bool is_k, int64_t j0, uint32_t bar) {
       const bf16 *cache = is_k ? a.k_cache : a.v_cache, *fresh = is_k ? a.k_new : a.v_new;
       if constexpr (TMA) {
         if (runs) {  // j0: the run tile's index
           if (tid == 0) {
             const RunTile rt = run_tile(kr, a, j0);
-            const TmaMap& m = rt.cached ? (is_k ? maps.kc : maps.vc) : (is_k ? maps.kn : maps.vn);
-            mbar_arrive_expect_tx(bar, uint32_t(64 * DH * 2));
-            const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-#pragma unroll
-            for (int c = 0; c < DH / 64; ++c)
-              tma_load_3d(d + uint32_t(c * 64 * 128), &m, colh + c * 64, kvh, int(rt.row0), bar);
+            tma_tile(dst, rt.cached ? (is_k ? maps.kc : maps.vc) : (is_k ? maps.kn : maps.vn), rt.row0, bar);
           } else {
             mbar_arrive(bar);
           }
@@ -1175,12 +1205,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
             const bool cached = j0 + 64 <= a.n_old;
             int64_t row = cached ? fp_mod + j0 : j0 - a.n_old;
             if (cached && row >= a.cap) row -= a.cap;
-            const TmaMap& m = cached ? (is_k ? maps.kc : maps.vc) : (is_k ? maps.kn : maps.vn);
-            mbar_arrive_expect_tx(bar, uint32_t(64 * DH * 2));
-            const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-#pragma unroll
-            for (int c = 0; c < DH / 64; ++c)
-              tma_load_3d(d + uint32_t(c * 64 * 128), &m, colh + c * 64, kvh, int(row), bar);
+            tma_tile(dst, cached ? (is_k ? maps.kc : maps.vc) : (is_k ? maps.kn : maps.vn), row, bar);
           } else {
             mbar_arrive(bar);
           }
@@ -1306,28 +1331,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
       reg_fence(s);
       DG_TL_LAP(kTlLapWaitS);
       if (lane == 0) mbar_arrive(empty_k(ks));
-      if constexpr (kPair) {  // S = our partial + the partner's: the same thread there holds the same elements
-        if (i > 0) mbar_wait(xfree(wg), uint32_t((i - 1) & 1));  // the partner's warpgroup read tile i - 1's
-#pragma unroll
-        for (int t = 0; t < NT; ++t)
-          asm volatile(
-              "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1,%2,%3,%4}, [%5];\n" ::"r"(
-                  x_remote + uint32_t((t * 256 + ct) * 16)),
-              "f"(s[4 * t]), "f"(s[4 * t + 1]), "f"(s[4 * t + 2]), "f"(s[4 * t + 3]), "r"(xfull_remote)
-              : "memory");
-        if ((ct & 127) == 0)
-          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(xfull(wg)), "n"(NT * 16 * 128)
-                       : "memory");
-        mbar_wait(xfull(wg), uint32_t(i & 1));
-        const float* xs = reinterpret_cast<const float*>(smem + C::x_off);
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          const float4 x = *reinterpret_cast<const float4*>(xs + (t * 256 + ct) * 4);
-          s[4 * t] += x.x, s[4 * t + 1] += x.y, s[4 * t + 2] += x.z, s[4 * t + 3] += x.w;
-        }
-        asm volatile("bar.sync %0, 128;\n" ::"r"(6 + wg) : "memory");  // the warpgroup's reads are done
-        if ((ct & 127) == 0) asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(xfree_remote) : "memory");
-      }
+      if constexpr (kPair)  // S = our partial + the partner's
+        swap_partial_s<NT>(s, i, ct, reinterpret_cast<const float*>(smem + C::x_off), x_remote, xfull(wg),
+                           xfull_remote, xfree(wg), xfree_remote, 6 + wg);
       float alpha[2];
       mask_softmax<NT>(s, alpha, m_r, l_r, a, j0, tile_je, q_min, q_max, qp, tig);
       DG_TL_LAP(kTlLapSoftmax);
@@ -1510,27 +1516,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_wgx_k(AttentionArgs a, 
     reg_fence(s);
     // Swap partial S with the partner block: the same thread of the partner holds the same (row, key) elements.
     if constexpr (XA) {
-      if (i > 0) mbar_wait(xfree, uint32_t((i - 1) & 1));  // the partner's warpgroup is done reading tile i - 1
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const uint32_t addr = x_remote + uint32_t((t * kThreads + tid) * 16);
-        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1,%2,%3,%4}, [%5];\n" ::"r"(
-                         addr),
-                     "f"(s[4 * t]), "f"(s[4 * t + 1]), "f"(s[4 * t + 2]), "f"(s[4 * t + 3]), "r"(xfull_remote)
-                     : "memory");
-      }
-      if ((tid & 127) == 0)
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(xfull), "n"(NT * 16 * 128)
-                     : "memory");
-      mbar_wait(xfull, uint32_t(i & 1));
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const float4 x = *reinterpret_cast<const float4*>(Xs + (t * kThreads + tid) * 4);
-        s[4 * t] += x.x, s[4 * t + 1] += x.y, s[4 * t + 2] += x.z, s[4 * t + 3] += x.w;
-      }
-      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // the warpgroup's reads are done
-      if ((tid & 127) == 0)
-        asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(xfree_remote) : "memory");
+      static_assert(kThreads == 256, "swap_partial_s: two warpgroups' slots");
+      swap_partial_s<NT>(s, i, tid, Xs, x_remote, xfull, xfull_remote, xfree, xfree_remote, 1 + wg);
     } else {
       if (i > 0) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // partner done reading its buffer
 #pragma unroll
@@ -1744,10 +1731,13 @@ void launch_pairs(void (*kernel)(Params...), dim3 grid, int threads, size_t smem
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
+// attention_ws_k loads K / V (and Q) tiles by TMA where it can (its TMA instantiation).
+bool ws_tma() { return kWsTma && kWsSw128 && g_attention_tma; }
+
 // attention_ws_k's tensor maps for a launch of head dim D (Q by TMA where the group size divides 64).
 WsKvMaps ws_maps(const AttentionArgs& a, int D) {
   WsKvMaps maps{};
-  const bool tma = kWsTma && kWsSw128 && g_attention_tma;
+  const bool tma = ws_tma();
   maps.runs = tma && !a.causal && g_attention_key_runs ? 1 : 0;
   const int g = a.nh / a.nkv;
   maps.q_tma = tma && g_attention_q_tma && 64 % g == 0 ? 1 : 0;
@@ -1781,8 +1771,7 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       const int row_tiles = (rows + W::BM - 1) / W::BM;
       const Split sp = pick_split(a, 2 * row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
       const WsKvMaps maps = ws_maps(a, D);
-      const bool tma = kWsTma && g_attention_tma;
-      launch_pairs(tma ? wsp_tma : wsp, dim3(unsigned(2 * row_tiles), unsigned(a.nkv), unsigned(sp.nsplit)),
+      launch_pairs(ws_tma() ? wsp_tma : wsp, dim3(unsigned(2 * row_tiles), unsigned(a.nkv), unsigned(sp.nsplit)),
                    kWsThreads, W::smem, s, a, sp, maps);
       return combine(a, sp, s);
     }
@@ -1818,8 +1807,7 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       const int row_tiles = (rows + W::BM - 1) / W::BM;
       const Split sp = pick_split(a, row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
       const WsKvMaps maps = ws_maps(a, 256);
-      const bool tma = kWsTma && kWsSw128 && g_attention_tma;
-      launch_pdl(tma ? wsk_tma : wsk, dim3(dim3(row_tiles, a.nkv, sp.nsplit)), dim3(kWsThreads), W::smem, s, a, sp,
+      launch_pdl(ws_tma() ? wsk_tma : wsk, dim3(dim3(row_tiles, a.nkv, sp.nsplit)), dim3(kWsThreads), W::smem, s, a, sp,
                  maps);
       CUDA_CHECK_LAUNCH();
       return combine(a, sp, s);
