@@ -252,14 +252,21 @@ TEST(CudaFullShape, ExpertTwoTokenTilesMatchOneTile) {
 // The full layers' denoise attention on the fused kernel (CudaOptions::gemm_attention_max_keys 1: every context past
 // it; the cluster-pair attention_ws_k at D = 512) against the default GEMM path (S = QK^T, softmax, PV) at the
 // fixture's context, with and without self-conditioning and after a commit: the same math in another order, so the
-// logits agree to bf16 noise (cosine >= 0.9999, argmax on >= 99% of the rows).
+// logits of one forward agree to bf16 noise (cosine >= 0.9999, argmax on >= 99% of the rows). The SC step is checked
+// twice: on the same SC input for both paths (External: the GEMM path's first logits, tempered), held to that bar, and
+// as the engine runs it (PreviousStep: each path's own first logits), which feeds the first forward's difference
+// through the softmax at T into the soft embedding; the exponential turns the logits' absolute noise into relative
+// noise of the probabilities (on the H200: 1 - cosine 8e-6 before, 1.4e-4 after), so that case gets the bar the
+// fixture holds HF's own bf16 run to against its f32 run (cosine >= 0.9995).
 TEST(CudaFullShape, FusedDenoiseAttentionMatchesGemmPath) {
   std::string skip;
   const std::string dir = fullshape_dir(skip);
   if (dir.empty()) GTEST_SKIP() << skip;
   const auto [model, cased, prompt, c1, c2] = fullshape_case(dir);
   const int L = int(c1.size()), V = model->config.vocab_size;
-  std::vector<DenoiseResult> outs[2];  // [fused]: the first canvas, then with its SC, then the second canvas
+  // [fused]: the first canvas, then with its own SC, with the GEMM path's SC, then the second canvas
+  std::vector<DenoiseResult> outs[2];
+  std::vector<float> gemm_sc_logits;
   for (bool fused : {false, true}) {
     CudaOptions opt = cuda_test_options();
     opt.max_context = int64_t(prompt.size() + c1.size() + c2.size());
@@ -268,7 +275,7 @@ TEST(CudaFullShape, FusedDenoiseAttentionMatchesGemmPath) {
     auto gpu = make_cuda_backend(*model, opt);
     gpu->prefill(prompt);
     auto& o = outs[fused];
-    o.resize(3);
+    o.resize(4);
     DenoiseRequest req;
     req.canvas = c1;
     req.temperature = 0.8f;
@@ -276,13 +283,21 @@ TEST(CudaFullShape, FusedDenoiseAttentionMatchesGemmPath) {
     gpu->denoise(req, o[0]);
     req.self_condition = SelfCondition::PreviousStep;
     gpu->denoise(req, o[1]);
+    if (!fused) {
+      gemm_sc_logits = o[0].logits;
+      for (float& x : gemm_sc_logits) x /= req.temperature;
+    }
+    req.self_condition = SelfCondition::External;
+    req.sc_logits = gemm_sc_logits;
+    gpu->denoise(req, o[2]);
     gpu->prefill(c1);
     req.canvas = c2;
     req.self_condition = SelfCondition::None;
-    gpu->denoise(req, o[2]);
+    req.sc_logits = {};
+    gpu->denoise(req, o[3]);
   }
-  const char* names[3] = {"nosc", "previous-step SC", "after commit"};
-  for (int i = 0; i < 3; ++i) {
+  const char* names[4] = {"nosc", "previous-step SC (each path's own)", "external SC (the same input)", "after commit"};
+  for (int i = 0; i < 4; ++i) {
     const DenoiseResult &a = outs[0][size_t(i)], &b = outs[1][size_t(i)];
     ASSERT_EQ(a.logits.size(), size_t(L) * V);
     ASSERT_EQ(b.logits.size(), size_t(L) * V);
@@ -290,7 +305,7 @@ TEST(CudaFullShape, FusedDenoiseAttentionMatchesGemmPath) {
     for (int r = 0; r < L; ++r) agree += a.rows[size_t(r)].argmax == b.rows[size_t(r)].argmax;
     const double c = cosine(a.logits, b.logits);
     std::printf("[fullshape] fused vs GEMM denoise attention, %s: cosine %.7f, argmax %d/%d\n", names[i], c, agree, L);
-    EXPECT_GE(c, 0.9999) << names[i];
+    EXPECT_GE(c, i == 1 ? 0.9995 : 0.9999) << names[i];
     EXPECT_GE(double(agree) / L, 0.99) << names[i];
   }
 }

@@ -16,7 +16,7 @@ NVCC="${NVCC:-/usr/local/cuda/bin/nvcc} -std=c++20 -O3 -gencode arch=compute_90a
 src=${ATTN_SRC:-src/backend/cuda/kernels_attention.cu}  # ATTN_SRC: build another copy of the file as "new"
 extra=""
 # The other functions the file exports get a suffix in a variant's copy (one definition each at link time).
-exports='s/void set_attention_splits(/void set_attention_splits_VAR(/; s/void set_attention_tma(/void set_attention_tma_VAR(/; s/void set_attention_key_runs(/void set_attention_key_runs_VAR(/; s/void set_attention_q_tma(/void set_attention_q_tma_VAR(/; s/int attention_timeline_slots(/int attention_timeline_slots_VAR(/; s/void attention_timeline(/void attention_timeline_VAR(/; s/void clear_attention_timeline(/void clear_attention_timeline_VAR(/'
+exports='s/void set_attention_splits(/void set_attention_splits_VAR(/; s/void set_attention_tma(/void set_attention_tma_VAR(/; s/void set_attention_key_runs(/void set_attention_key_runs_VAR(/; s/void set_attention_q_tma(/void set_attention_q_tma_VAR(/; s/void set_attention_ws512(/void set_attention_ws512_VAR(/; s/int attention_timeline_slots(/int attention_timeline_slots_VAR(/; s/void attention_timeline(/void attention_timeline_VAR(/; s/void clear_attention_timeline(/void clear_attention_timeline_VAR(/'
 if [ -n "$VARIANT_SED" ]; then
   decl='^void attention(const AttentionArgs& a, cudaStream_t s) {'
   sed "$VARIANT_SED; $(echo "$exports" | sed 's/VAR/v3/g'); s/$decl/void attention_v3(const AttentionArgs\& a, cudaStream_t s) {/" \
