@@ -773,30 +773,56 @@ __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
 __device__ __forceinline__ void cluster_sync_all() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
+// A partial S value rounded to its top 24 bits (sign, exponent, 15 mantissa bits; to nearest, ties away from zero),
+// as the exchange below carries it: relative error <= 2^-16, far below the bf16 rounding of P that follows.
+__device__ __forceinline__ uint32_t s24_bits(float x) { return (__float_as_uint(x) + 0x80u) >> 8; }
+__device__ __forceinline__ float s24_value(uint32_t u) { return __uint_as_float(u << 8); }
+
 // The D = 512 cluster pairs' S exchange by st.async (XA; attention_wgx_k, attention_ws_k): a warpgroup stores its
-// partial S of tile i (NT float4 a thread, float4 t of thread `slot` at (t * 256 + slot) in the buffer of the two
-// warpgroups, 256 consumer threads) into the partner block's buffer, completing on the partner's xfull; once the
-// partner's has landed here (xfull) it adds it (a + b == b + a: both blocks hold bitwise the same S), then tells the
-// partner that this warpgroup has read its buffer (xfree there; the partner waits on it before storing tile i + 1's).
-// The partner's thread `slot` holds the same (row, key) elements. bar_id: the warpgroup's 128-thread named barrier.
+// partial S of tile i into the partner block's buffer, completing on the partner's xfull; once the partner's has
+// landed here (xfull) it adds it, then tells the partner that this warpgroup has read its buffer (xfree there; the
+// partner waits on it before storing tile i + 1's). The partner's thread `slot` holds the same (row, key) elements.
+// bar_id: the warpgroup's 128-thread named barrier.
+// The partials cross as 24-bit values (s24_bits), four in three words: the exchange is bound by DSMEM bandwidth (H200,
+// attention_bench at kv 4096: half the bytes 100.6 -> 88.0 us, 24-bit values 94.3, no exchange ~80), and each block
+// rounds its own partial the same way before adding, so both hold bitwise the same S = r(a) + r(b) (commutative),
+// hence the same P, m and l. Thread `slot`'s word quad k sits at (k * 256 + slot) in the two warpgroups' buffer.
 template <int NT>
 __device__ __forceinline__ void swap_partial_s(float (&s)[NT * 4], int64_t i, int slot, const float* x_local,
                                                uint32_t x_remote, uint32_t xfull, uint32_t xfull_remote, uint32_t xfree,
                                                uint32_t xfree_remote, int bar_id) {
+  static_assert(NT % 4 == 0, "whole 16-byte stores of three words per four values");
+  constexpr int kQuads = NT * 3 / 4;
   if (i > 0) mbar_wait(xfree, uint32_t((i - 1) & 1));  // the partner's warpgroup is done reading tile i - 1
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1,%2,%3,%4}, [%5];\n" ::"r"(
-                     x_remote + uint32_t((t * 256 + slot) * 16)),
-                 "f"(s[4 * t]), "f"(s[4 * t + 1]), "f"(s[4 * t + 2]), "f"(s[4 * t + 3]), "r"(xfull_remote)
-                 : "memory");
-  if ((slot & 127) == 0)
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(xfull), "n"(NT * 16 * 128) : "memory");
-  mbar_wait(xfull, uint32_t(i & 1));
+  uint32_t w[NT * 3];
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
-    const float4 x = *reinterpret_cast<const float4*>(x_local + (t * 256 + slot) * 4);
-    s[4 * t] += x.x, s[4 * t + 1] += x.y, s[4 * t + 2] += x.z, s[4 * t + 3] += x.w;
+    uint32_t u[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) u[q] = s24_bits(s[4 * t + q]), s[4 * t + q] = s24_value(u[q]);
+    w[3 * t] = (u[0] << 8) | (u[1] >> 16), w[3 * t + 1] = (u[1] << 16) | (u[2] >> 8), w[3 * t + 2] = (u[2] << 24) | u[3];
+  }
+#pragma unroll
+  for (int k = 0; k < kQuads; ++k)
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1,%2,%3,%4}, [%5];\n" ::"r"(
+                     x_remote + uint32_t((k * 256 + slot) * 16)),
+                 "r"(w[4 * k]), "r"(w[4 * k + 1]), "r"(w[4 * k + 2]), "r"(w[4 * k + 3]), "r"(xfull_remote)
+                 : "memory");
+  if ((slot & 127) == 0)
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(xfull), "n"(kQuads * 16 * 128) : "memory");
+  mbar_wait(xfull, uint32_t(i & 1));
+#pragma unroll
+  for (int k = 0; k < kQuads; ++k) {
+    const uint4 x = *reinterpret_cast<const uint4*>(x_local + (k * 256 + slot) * 4);
+    w[4 * k] = x.x, w[4 * k + 1] = x.y, w[4 * k + 2] = x.z, w[4 * k + 3] = x.w;
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const uint32_t w0 = w[3 * t], w1 = w[3 * t + 1], w2 = w[3 * t + 2];
+    s[4 * t] += s24_value(w0 >> 8);
+    s[4 * t + 1] += s24_value(((w0 & 0xffu) << 16) | (w1 >> 16));
+    s[4 * t + 2] += s24_value(((w1 & 0xffffu) << 8) | (w2 >> 24));
+    s[4 * t + 3] += s24_value(w2 & 0xffffffu);
   }
   asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory");  // the warpgroup's reads are done
   if ((slot & 127) == 0) asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(xfree_remote) : "memory");
@@ -928,8 +954,10 @@ constexpr int kWsThreads = 384;
 // H200 (session 28, bench-kernels, kv 4096, 256 queries x 4352 keys): denoise 102.8 us against 136.1 for
 // attention_wgx_k (the cuBLASLt GEMM path: 90.6, still the denoise step's), causal (a commit) 99.3 against 137.2:
 // a commit at 4K 0.25-0.38 ms faster. Per 64-key tile ~3 us a block against ~2 for the D = 256 kernel: the partial
-// S crossing DSMEM every tile (16 KB a warpgroup) sits inside the softmax phase that ping-pong hides behind the
-// other warpgroup's wgmmas.
+// S crossing DSMEM every tile sits inside the softmax phase that ping-pong hides behind the other warpgroup's wgmmas,
+// and its time follows its bytes (session 29, attention_bench timeline: the softmax lap 1.58 us a tile against 0.63
+// for D = 256; without the exchange kv 4096 ran in ~80 us). Since then 12 KB a warpgroup a tile instead of 16
+// (24-bit partials, swap_partial_s): kv 4096 100.6 -> 94.3 us, kv 32768 658 -> 618, causal T 4096 687 -> 667.
 template <int D, int NK>
 struct WsCfg {
   static_assert(D == 256 || D == 512, "");
@@ -1385,7 +1413,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
 // through distributed shared memory (st.shared::cluster into the partner's buffer, fragment order; cluster barriers:
 // release/acquire after the stores, and a "done reading" arrive that the next tile's stores wait on) and both blocks
 // add them (a + b == b + a: bitwise the same S, hence the same P, m and l in both). L2 traffic per row-key drops from
-// 32 to 8 bytes, plus 4 bytes of DSMEM; 224 KB of shared memory. H200, per layer, attention_k -> this: kv 512 / 4096 /
+// 32 to 8 bytes, plus 4 bytes of DSMEM (3 since the partials cross as 24-bit values: swap_partial_s); 224 KB of shared memory. H200, per layer, attention_k -> this: kv 512 / 4096 /
 // 32768 denoise 67.7 -> 58.5 us, 0.309 -> 0.242 ms, 2.146 -> 1.663 ms; causal prefill T 4096 1.977 -> 1.694 ms (ncu
 // kv 4096: L2 50% busy, SM 28%: now latency bound, S -> exchange -> softmax -> P.V in lockstep, no overlap). Since
 // then: the software pipeline of attention_wg_k and the XA exchange (below), see the file's header.
