@@ -34,6 +34,10 @@ namespace dg::cuda {
 void check_cublas(int, const char*, const char*, int) {}
 #ifdef WITH_V3
 void attention_v3(const AttentionArgs& a, cudaStream_t s);  // the variant
+void set_attention_tma_v3(bool on);
+#endif
+#ifdef WITH_V4
+void set_attention_tma_v4(bool on);
 #endif
 #ifdef WITH_V4
 void attention_v4(const AttentionArgs& a, cudaStream_t s);  // the second variant (VARIANT_SED2)
@@ -343,6 +347,16 @@ int main() {
   bool ok = true;
   // ATTN_SPLITS=n: the split-KV count of every launch (dg::cuda::set_attention_splits; 0 or unset: the launcher's pick)
   if (const char* e = std::getenv("ATTN_SPLITS")) dg::cuda::set_attention_splits(std::atoi(e));
+  // ATTN_TMA=0: every build's launches load by cp.async only (dg::cuda::set_attention_tma(false))
+  if (const char* e = std::getenv("ATTN_TMA"); e && *e == '0') {
+    dg::cuda::set_attention_tma(false);
+#ifdef WITH_V3
+    dg::cuda::set_attention_tma_v3(false);
+#endif
+#ifdef WITH_V4
+    dg::cuda::set_attention_tma_v4(false);
+#endif
+  }
   // Awkward shapes, every row checked.
   const Case small[] = {
       {"tiny sliding prefill wrapped", 37, 4, 2, 16, 11, 20, 7, true, 8, 0, 0},
