@@ -777,6 +777,14 @@ __device__ __forceinline__ void cluster_sync_all() {
 // as the exchange below carries it: relative error <= 2^-16, far below the bf16 rounding of P that follows.
 __device__ __forceinline__ uint32_t s24_bits(float x) { return (__float_as_uint(x) + 0x80u) >> 8; }
 __device__ __forceinline__ float s24_value(uint32_t u) { return __uint_as_float(u << 8); }
+// Four 24-bit values in three words (big end first), and back.
+__device__ __forceinline__ void s24_pack4(const uint32_t (&u)[4], uint32_t* w) {
+  w[0] = (u[0] << 8) | (u[1] >> 16), w[1] = (u[1] << 16) | (u[2] >> 8), w[2] = (u[2] << 24) | u[3];
+}
+__device__ __forceinline__ void s24_unpack4(const uint32_t* w, uint32_t (&u)[4]) {
+  u[0] = w[0] >> 8, u[1] = ((w[0] & 0xffu) << 16) | (w[1] >> 16);
+  u[2] = ((w[1] & 0xffffu) << 8) | (w[2] >> 24), u[3] = w[2] & 0xffffffu;
+}
 
 // The D = 512 cluster pairs' S exchange by st.async (XA; attention_wgx_k, attention_ws_k): a warpgroup stores its
 // partial S of tile i into the partner block's buffer, completing on the partner's xfull; once the partner's has
@@ -800,7 +808,7 @@ __device__ __forceinline__ void swap_partial_s(float (&s)[NT * 4], int64_t i, in
     uint32_t u[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) u[q] = s24_bits(s[4 * t + q]), s[4 * t + q] = s24_value(u[q]);
-    w[3 * t] = (u[0] << 8) | (u[1] >> 16), w[3 * t + 1] = (u[1] << 16) | (u[2] >> 8), w[3 * t + 2] = (u[2] << 24) | u[3];
+    s24_pack4(u, w + 3 * t);
   }
 #pragma unroll
   for (int k = 0; k < kQuads; ++k)
@@ -809,7 +817,8 @@ __device__ __forceinline__ void swap_partial_s(float (&s)[NT * 4], int64_t i, in
                  "r"(w[4 * k]), "r"(w[4 * k + 1]), "r"(w[4 * k + 2]), "r"(w[4 * k + 3]), "r"(xfull_remote)
                  : "memory");
   if ((slot & 127) == 0)
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(xfull), "n"(kQuads * 16 * 128) : "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(xfull), "n"(kQuads * 16 * 128)
+                 : "memory");
   mbar_wait(xfull, uint32_t(i & 1));
 #pragma unroll
   for (int k = 0; k < kQuads; ++k) {
@@ -818,11 +827,10 @@ __device__ __forceinline__ void swap_partial_s(float (&s)[NT * 4], int64_t i, in
   }
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
-    const uint32_t w0 = w[3 * t], w1 = w[3 * t + 1], w2 = w[3 * t + 2];
-    s[4 * t] += s24_value(w0 >> 8);
-    s[4 * t + 1] += s24_value(((w0 & 0xffu) << 16) | (w1 >> 16));
-    s[4 * t + 2] += s24_value(((w1 & 0xffffu) << 8) | (w2 >> 24));
-    s[4 * t + 3] += s24_value(w2 & 0xffffffu);
+    uint32_t u[4];
+    s24_unpack4(w + 3 * t, u);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) s[4 * t + q] += s24_value(u[q]);
   }
   asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory");  // the warpgroup's reads are done
   if ((slot & 127) == 0) asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(xfree_remote) : "memory");
@@ -1413,9 +1421,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) attention_ws_k(AttentionArgs a,
 // through distributed shared memory (st.shared::cluster into the partner's buffer, fragment order; cluster barriers:
 // release/acquire after the stores, and a "done reading" arrive that the next tile's stores wait on) and both blocks
 // add them (a + b == b + a: bitwise the same S, hence the same P, m and l in both). L2 traffic per row-key drops from
-// 32 to 8 bytes, plus 4 bytes of DSMEM (3 since the partials cross as 24-bit values: swap_partial_s); 224 KB of shared memory. H200, per layer, attention_k -> this: kv 512 / 4096 /
-// 32768 denoise 67.7 -> 58.5 us, 0.309 -> 0.242 ms, 2.146 -> 1.663 ms; causal prefill T 4096 1.977 -> 1.694 ms (ncu
-// kv 4096: L2 50% busy, SM 28%: now latency bound, S -> exchange -> softmax -> P.V in lockstep, no overlap). Since
+// 32 to 8 bytes, plus 4 bytes of DSMEM (3 since the partials cross as 24-bit values: swap_partial_s); 224 KB of
+// shared memory. H200, per layer, attention_k -> this: kv 512 / 4096 / 32768 denoise 67.7 -> 58.5 us, 0.309 ->
+// 0.242 ms, 2.146 -> 1.663 ms; causal prefill T 4096 1.977 -> 1.694 ms (ncu kv 4096: L2 50% busy, SM 28%: now
+// latency bound, S -> exchange -> softmax -> P.V in lockstep, no overlap). Since
 // then: the software pipeline of attention_wg_k and the XA exchange (below), see the file's header.
 // D = 256 through this kernel (DH = 128, kWgx256) was measured and is off: sliding denoise 60.3 vs 42.9 us for
 // attention_wg_k, sliding prefill 0.61 vs 0.36 ms.
@@ -1835,7 +1844,7 @@ void launch(const AttentionArgs& a, cudaStream_t s) {
       const int row_tiles = (rows + W::BM - 1) / W::BM;
       const Split sp = pick_split(a, row_tiles * a.nkv, (a.n_old + a.T_new + W::BN - 1) / W::BN, D);
       const WsKvMaps maps = ws_maps(a, 256);
-      launch_pdl(ws_tma() ? wsk_tma : wsk, dim3(dim3(row_tiles, a.nkv, sp.nsplit)), dim3(kWsThreads), W::smem, s, a, sp,
+      launch_pdl(ws_tma() ? wsk_tma : wsk, dim3(row_tiles, a.nkv, sp.nsplit), dim3(kWsThreads), W::smem, s, a, sp,
                  maps);
       CUDA_CHECK_LAUNCH();
       return combine(a, sp, s);

@@ -37,10 +37,8 @@ void attention_v3(const AttentionArgs& a, cudaStream_t s);  // the variant
 void set_attention_tma_v3(bool on);
 #endif
 #ifdef WITH_V4
-void set_attention_tma_v4(bool on);
-#endif
-#ifdef WITH_V4
 void attention_v4(const AttentionArgs& a, cudaStream_t s);  // the second variant (VARIANT_SED2)
+void set_attention_tma_v4(bool on);
 #endif
 #ifdef DG_ATTN_TIMELINE
 int attention_timeline_slots();
