@@ -822,6 +822,18 @@ TEST(CudaKernels, MoeCombineFfn) {
     moe_combine(dy16.p, didx.p, dw.p, dspos.p, T, k, H, out_b.p, nullptr);
     const auto of = out_f.get(), ob = out_b.get();
     EXPECT_EQ(0, std::memcmp(of.data(), ob.data(), of.size() * sizeof(float))) << "moe_combine, bf16 rows";
+    {  // the combine dropping each bf16 y line after reading it (discard_y; H % 64 == 0 only): the same bits. Last:
+       // dy16 is undefined afterwards
+      Dev<float> dh_d(h.size());
+      Dev<bf16> xn_d(h.size());
+      dh_d.put(h);
+      moe_combine_ffn(dy16.p, didx.p, dw.p, dspos.p, T, k, dh_d.p, dm1.p, H, dw1.p, dw2.p, dwn.p, eps, scalar, nullptr,
+                      dwx.p, xn_d.p, /*discard_y=*/true);
+      const auto hd = dh_d.get();
+      const auto xd = xn_d.get();
+      EXPECT_EQ(0, std::memcmp(hb.data(), hd.data(), hb.size() * sizeof(float))) << "discard, T " << T << " H " << H;
+      EXPECT_EQ(0, std::memcmp(xb.data(), xd.data(), xb.size() * sizeof(bf16))) << "discard, T " << T << " H " << H;
+    }
   }
 }
 
@@ -1441,6 +1453,14 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
       EXPECT_TRUE(same(a1, act_b.get())) << "fused, bf16 y: act, " << what;
       expect_bf16_rounding(yf1, y_b.get(), "fused, bf16 y, " + what);
       expect_bf16_rounding(y1, y_db.get(), "down, bf16 y, " + what);
+      // y and act stored with an evict_last policy (rows_evict_last 1 | 2): the same bits, the same rows written
+      Dev<bf16> act_l(rows * I), y_l(rows * H), y_b2(rows * H);  // both poisoned alike
+      moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_b.p, y_b2.p, nullptr,
+                                   {.tile_counters = fused_ctr.p});
+      moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_l.p, y_l.p, nullptr,
+                                   {.tile_counters = fused_ctr.p, .rows_evict_last = 3});
+      EXPECT_TRUE(same(a1, act_l.get())) << "fused, act evict_last: act, " << what;
+      EXPECT_TRUE(same(y_b2.get(), y_l.get())) << "fused, y evict_last: y, " << what;
     }
     {  // Two token tiles an expert (TmaExpertsPlan::two_token_tiles): the layout of kFusedExpertRows rows an expert
       constexpr int MF = kFusedExpertRows;

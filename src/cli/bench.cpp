@@ -53,6 +53,7 @@ struct BenchArgs {
   bool bf16_logits = false;        // CudaOptions::bf16_logits = true
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
+  int expert_rows_l2 = 7;  // CudaOptions::expert_rows_l2
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
   bool one_step_graph = false;  // CudaOptions::split_step_head off
   bool temperature_in_key = false;  // CudaOptions::device_temperature off
@@ -203,6 +204,7 @@ int run_bench(const BenchArgs& args) {
   opt.overflow_stream = !args.overflow_on_side;
   opt.dense_down_all_sms = !args.dense_down_side_plan;
   opt.bf16_expert_rows = !args.f32_expert_rows;
+  opt.expert_rows_l2 = args.expert_rows_l2;
   opt.dense_tma = args.dense_tma;
   opt.dense_tma_cluster = args.dense_tma_cluster;
   opt.graph_memset_kernels = !args.graph_memset_nodes;
@@ -291,6 +293,7 @@ int run_bench(const BenchArgs& args) {
   out["softmax_rows_reverse"] = !args.no_softmax_reverse;
   out["router_tensor_cores"] = args.router_tc;
   out["route_tokens_per_block"] = args.route_tokens;
+  out["expert_rows_l2"] = args.expert_rows_l2;
   out["dense_mlp_priority"] = opt.dense_mlp_priority;
   out["tma_grid"] = args.tma_grid;
   out["tma_stages"] = args.tma_stages;
@@ -602,6 +605,11 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "A/B: tokens a block of the router's route kernel, 2 or 8 "
                                       "(cuda::set_route_tokens_per_block)")
                            ->check(CLI::IsMember({2, 8}));
+                       sub.add_option("--expert-rows-l2", a->expert_rows_l2,
+                                      "A/B: denoise passes keep the expert launch's outputs in L2, a mask: 1 bf16 y rows "
+                                      "stored evict_last, 2 act rows stored evict_last, 4 the combine discards each y "
+                                      "line it read; 0 none (CudaOptions::expert_rows_l2, default 7)")
+                           ->check(CLI::Range(0, 7));
                        sub.add_flag("--router-tc", a->router_tc,
                                     "A/B: the router's partial logits as 3xTF32 on the tensor cores instead of f32 "
                                     "FMAs (cuda::set_router_tensor_cores)");

@@ -1053,7 +1053,8 @@ class CudaBackend final : public Backend {
         .first_tile_stride = opt_.tma_experts_first_stride,
         .gate_up_packed = L.gu_packed ? L.exp_gu : nullptr,
         .down_packed = L.dn_packed ? L.exp_down : nullptr,
-        .two_token_tiles = two_token_tiles};
+        .two_token_tiles = two_token_tiles,
+        .rows_evict_last = pass == Pass::Decoder ? opt_.expert_rows_l2 & 3 : 0};
     if (overlap) {
       // CudaOptions::dense_down_last: the dense MLP's down GEMM goes on the side stream after the assignment and the
       // overflow rows (below). Its blocks need more shared memory than the expert kernel leaves an SM, so it cannot
@@ -1182,7 +1183,7 @@ class CudaBackend final : public Backend {
                              : pass == Pass::Decoder ? weights_->final_norm_ : nullptr;
     cuda::moe_combine_ffn(y, s_.idx, s_.wk, s_.sorted_pos, T, K, s_.h, s_.m1, H, L.post_ff1, L.post_ff2,
                           L.post_ff, eps, pass == Pass::Encoder ? L.enc_scalar : L.dec_scalar, stream_, next_norm,
-                          next_norm ? s_.x : nullptr);
+                          next_norm ? s_.x : nullptr, pass == Pass::Decoder && (opt_.expert_rows_l2 & 4) != 0);
     mark(kStCombine);
   }
 

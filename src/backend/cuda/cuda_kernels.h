@@ -415,6 +415,10 @@ struct TmaExpertsPlan {
   // moe_experts_fused_tma_masked only: up to kFusedExpertRows (64) rows an expert in its launch instead of 32 (see
   // there); its act / y then have that many padded rows an expert.
   bool two_token_tiles = false;
+  // Which of the launch's outputs are stored with an L2 evict_last policy, a mask: 1 a bf16 y (ExpertRows), 2 act
+  // (gate_up's output, which the down tiles read back). Kept in L2 until the combine reads them, so that their
+  // write-backs do not cut into the weight stream (CudaOptions::expert_rows_l2). The same bits either way.
+  int rows_evict_last = 0;
 };
 // Whether expert weights of these shapes have a packed layout (expert_layout.h): gate_up needs H and I multiples of
 // 64, down H a multiple of 128 and I of 64.
@@ -485,6 +489,10 @@ void moe_combine(ExpertRowsIn y, const int32_t* idx, const float* w, const int32
 // x_next (may be null): also rms_norm_f32_to_bf16(h; w_next) of the new h, the next layer's input (same arithmetic).
 void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
-                     float scalar, cudaStream_t s, const float* w_next = nullptr, bf16* x_next = nullptr);
+                     float scalar, cudaStream_t s, const float* w_next = nullptr, bf16* x_next = nullptr,
+                     bool discard_y = false);
+// discard_y (a bf16 y only, H % 64 == 0, y 128-byte aligned; ignored otherwise): every y line the combine reads is
+// dropped from L2 afterwards (discard.global.L2: never written back to DRAM). y's contents are then undefined, so
+// only where nothing reads y again (a denoise pass's layer; CudaOptions::expert_rows_l2).
 
 }  // namespace dg::cuda

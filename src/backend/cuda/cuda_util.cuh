@@ -101,6 +101,21 @@ __device__ __forceinline__ void store_expert_row_pair(void* y, bool bf16_rows, s
   else
     *reinterpret_cast<float2*>(static_cast<float*>(y) + i) = make_float2(v0, v1);
 }
+// A bf16 store with an L2 cache policy (createpolicy), and an L2 line (128 bytes, 128-aligned) dropped without its
+// write-back: its contents are undefined afterwards, so only for data that nobody reads again.
+__device__ __forceinline__ void st_bf16_l2_policy(__nv_bfloat16* p, __nv_bfloat16 v, uint64_t policy) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("st.global.L2::cache_hint.b16 [%0], %1, %2;" ::"l"(p), "h"(__bfloat16_as_ushort(v)), "l"(policy)
+               : "memory");
+#else
+  *p = v;
+#endif
+}
+__device__ __forceinline__ void discard_l2_line(const void* p) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("discard.global.L2 [%0], 128;" ::"l"(p) : "memory");
+#endif
+}
 __device__ __forceinline__ float load_expert_row(const void* y, bool bf16_rows, size_t i) {
   return bf16_rows ? __bfloat162float(static_cast<const __nv_bfloat16*>(y)[i]) : static_cast<const float*>(y)[i];
 }

@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const int32_t* __restrict__ slot_token,
                   unsigned* tile_ctr, const unsigned* __restrict__ masks, int mask_words,
                   const bf16* __restrict__ gu_packed, const bf16* __restrict__ dn_packed, int claim_ahead,
-                  int first_stride) {
+                  int first_stride, int rows_l2) {
   static_assert(!GATHER || GATED, "token rows are gathered for gate_up only");
   static_assert(!FUSED || (GATED && GATHER), "the fused kernel is the gathered gate_up followed by down");
   static_assert(!TWO || FUSED, "two token tiles an expert in the fused launch only");
@@ -641,6 +641,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Accumulator fragment of thread (warp w, lane l): d[4j + 2i + c] = D[row 16w + l/4 + 8i][token 8j + 2(l%4) + c];
     // for gate_up, gate and up of one output element sit in the same thread.
     const int r0 = warp * 16 + (lane >> 2), t0 = (lane & 3) * 2;
+    // TmaExpertsPlan::rows_evict_last: bits 1 (y, bf16 only) and 2 (act) store with an evict_last policy.
+    const bool y_last = (rows_l2 & 1) && y_bf16, act_last = (rows_l2 & 2) != 0;
+    uint64_t last_policy = 0;
+    if (y_last || act_last) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(last_policy));
     auto store_tile = [&](int tok0, const float(&lo)[16], const float(&hi)[16]) {
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -652,7 +656,15 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (tok >= cnt) continue;
             const size_t row = size_t(e) * kRows + tok;
             if (GATED && !down) {
-              act[row * I + nt * 64 + r] = __float2bfloat16(gelu_tanh(lo[idx]) * hi[idx]);
+              const bf16 a = __float2bfloat16(gelu_tanh(lo[idx]) * hi[idx]);
+              if (act_last)
+                st_bf16_l2_policy(act + row * I + nt * 64 + r, a, last_policy);
+              else
+                act[row * I + nt * 64 + r] = a;
+            } else if (y_last) {
+              bf16* const yr = static_cast<bf16*>(y) + row * H + nt * 128 + r;
+              st_bf16_l2_policy(yr, __float2bfloat16(lo[idx]), last_policy);
+              st_bf16_l2_policy(yr + 64, __float2bfloat16(hi[idx]), last_policy);
             } else {
               store_expert_row(y, y_bf16, row * H + nt * 128 + r, lo[idx]);
               store_expert_row(y, y_bf16, row * H + nt * 128 + 64 + r, hi[idx]);
@@ -803,7 +815,7 @@ void launch_experts_tma(const TmaMap& w, const TmaMap& x, const int32_t* rows, i
     launch_pdl(kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(smem_bytes(stages)), s, mw, mx, rows, E, H, I,
                act, y.p, y.is_bf16, pf, plan.prewait_stages, xg, slot_token, GATHER ? plan.tile_counters : nullptr,
                masks, mask_words, GATED ? plan.gate_up_packed : nullptr, FUSED || !GATED ? plan.down_packed : nullptr,
-               plan.claim_ahead, first_stride);
+               plan.claim_ahead, first_stride, plan.rows_evict_last);
   };
   if (plan.sms <= 0 || plan.sms >= sm_count()) {
     // Every SM shared: the grid by the launched kernel's occupancy.

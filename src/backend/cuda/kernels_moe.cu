@@ -588,7 +588,7 @@ template <int NV, int KMAX, int kCombineThreads, bool YB>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     const void* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
     int H, const float* w1, const float* w2, const float* wn, float eps, float scalar, const float* w_next,
-    bf16* x_next) {
+    bf16* x_next, bool discard_y) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   static_assert(KMAX <= 32, "one lane a source");
@@ -655,6 +655,17 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
   }
   const float inv1 = rsqrtf(block_sum(s1) / float(H) + eps);
   const float inv2 = rsqrtf(block_sum(s2) / float(H) + eps);
+  if constexpr (YB) {
+    // discard_y: every y line this token read (block_sum's barrier: all of them consumed) leaves L2 without a
+    // write-back. A line is 16 chunks of one source row (the host checks H % 64 == 0 and the alignment).
+    if (discard_y)
+#pragma unroll
+      for (int q = 0; q < NV; ++q) {
+        const int c = threadIdx.x + q * kCombineThreads;
+        if (c < H4 && (c & 15) == 0)
+          for (int j = 0; j < k; ++j) discard_l2_line(static_cast<const bf16*>(y) + size_t(src_row[j]) * H + 4 * c);
+      }
+  }
   float s3 = 0;
 #pragma unroll
   for (int q = 0; q < NV; ++q) {
@@ -761,6 +772,7 @@ void set_route_tokens_per_block(int tokens) {
 }
 int route_tokens_per_block() { return g_route_tokens; }
 
+
 size_t router_partial_floats(int T, int H) { return size_t(router_split(T, H).splits) * size_t(T) * kRtExp; }
 
 size_t expert_mask_words(int T, int E) { return size_t(E) * size_t((T + 31) / 32); }
@@ -820,7 +832,7 @@ void moe_combine(ExpertRowsIn y, const int32_t* idx, const float* w, const int32
 
 void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
-                     float scalar, cudaStream_t s, const float* w_next, bf16* x_next) {
+                     float scalar, cudaStream_t s, const float* w_next, bf16* x_next, bool discard_y) {
   if (T == 0) return;
   if (k > kMaxTopK) throw_cuda_error("moe_combine_ffn", "top-k above 32", 0, __FILE__, __LINE__);
   if (x_next && !w_next) throw_cuda_error("moe_combine_ffn", "x_next needs w_next", 0, __FILE__, __LINE__);
@@ -829,8 +841,9 @@ void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const i
     auto* kern = y.is_bf16 ? (narrow ? moe_combine_ffn_vec_k<1, 8, 768, true> : moe_combine_ffn_vec_k<1, 8, 1024, true>)
                  : narrow  ? moe_combine_ffn_vec_k<1, 8, 768, false>
                            : moe_combine_ffn_vec_k<1, 8, 1024, false>;
+    discard_y = discard_y && y.is_bf16 && H % 64 == 0 && (reinterpret_cast<uintptr_t>(y.p) & 127) == 0;
     launch_pdl(kern, dim3(T), dim3(narrow ? 768 : 1024), 0, s, y.p, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
-               eps, scalar, w_next, x_next);
+               eps, scalar, w_next, x_next, discard_y);
     CUDA_CHECK_LAUNCH();
     return;
   }
