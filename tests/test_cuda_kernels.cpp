@@ -822,13 +822,13 @@ TEST(CudaKernels, MoeCombineFfn) {
     moe_combine(dy16.p, didx.p, dw.p, dspos.p, T, k, H, out_b.p, nullptr);
     const auto of = out_f.get(), ob = out_b.get();
     EXPECT_EQ(0, std::memcmp(of.data(), ob.data(), of.size() * sizeof(float))) << "moe_combine, bf16 rows";
-    {  // the combine dropping each bf16 y line after reading it (discard_y; H % 64 == 0 only): the same bits. Last:
-       // dy16 is undefined afterwards
+    {  // the combine dropping each bf16 y line after reading it (discard_y; H % 64 == 0 only), and the lines of an
+       // unrelated, unaligned range (discard_also): the same bits. Last: dy16 is undefined afterwards
       Dev<float> dh_d(h.size());
-      Dev<bf16> xn_d(h.size());
+      Dev<bf16> xn_d(h.size()), dead(70001);
       dh_d.put(h);
       moe_combine_ffn(dy16.p, didx.p, dw.p, dspos.p, T, k, dh_d.p, dm1.p, H, dw1.p, dw2.p, dwn.p, eps, scalar, nullptr,
-                      dwx.p, xn_d.p, /*discard_y=*/true);
+                      dwx.p, xn_d.p, /*discard_y=*/true, dead.p + 3, 69000 * sizeof(bf16));
       const auto hd = dh_d.get();
       const auto xd = xn_d.get();
       EXPECT_EQ(0, std::memcmp(hb.data(), hd.data(), hb.size() * sizeof(float))) << "discard, T " << T << " H " << H;

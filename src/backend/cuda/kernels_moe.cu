@@ -588,7 +588,7 @@ template <int NV, int KMAX, int kCombineThreads, bool YB>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     const void* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
     int H, const float* w1, const float* w2, const float* wn, float eps, float scalar, const float* w_next,
-    bf16* x_next, bool discard_y) {
+    bf16* x_next, bool discard_y, const unsigned char* discard_also, size_t discard_lines) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   static_assert(KMAX <= 32, "one lane a source");
@@ -665,6 +665,13 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
         if (c < H4 && (c & 15) == 0)
           for (int j = 0; j < k; ++j) discard_l2_line(static_cast<const bf16*>(y) + size_t(src_row[j]) * H + 4 * c);
       }
+  }
+  if (discard_also) {  // this block's share of the lines (its predecessors, the only readers, have completed)
+    const size_t per = (discard_lines + gridDim.x - 1) / gridDim.x;
+    for (size_t i = threadIdx.x; i < per; i += blockDim.x) {
+      const size_t line = size_t(blockIdx.x) * per + i;
+      if (line < discard_lines) discard_l2_line(discard_also + line * 128);
+    }
   }
   float s3 = 0;
 #pragma unroll
@@ -832,7 +839,8 @@ void moe_combine(ExpertRowsIn y, const int32_t* idx, const float* w, const int32
 
 void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
-                     float scalar, cudaStream_t s, const float* w_next, bf16* x_next, bool discard_y) {
+                     float scalar, cudaStream_t s, const float* w_next, bf16* x_next, bool discard_y,
+                     const void* discard_also, size_t discard_also_bytes) {
   if (T == 0) return;
   if (k > kMaxTopK) throw_cuda_error("moe_combine_ffn", "top-k above 32", 0, __FILE__, __LINE__);
   if (x_next && !w_next) throw_cuda_error("moe_combine_ffn", "x_next needs w_next", 0, __FILE__, __LINE__);
@@ -842,8 +850,12 @@ void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const i
                  : narrow  ? moe_combine_ffn_vec_k<1, 8, 768, false>
                            : moe_combine_ffn_vec_k<1, 8, 1024, false>;
     discard_y = discard_y && y.is_bf16 && H % 64 == 0 && (reinterpret_cast<uintptr_t>(y.p) & 127) == 0;
+    const uintptr_t lo = (reinterpret_cast<uintptr_t>(discard_also) + 127) & ~uintptr_t(127);
+    const uintptr_t hi = (reinterpret_cast<uintptr_t>(discard_also) + discard_also_bytes) & ~uintptr_t(127);
+    const bool also = discard_also && hi > lo;
     launch_pdl(kern, dim3(T), dim3(narrow ? 768 : 1024), 0, s, y.p, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
-               eps, scalar, w_next, x_next, discard_y);
+               eps, scalar, w_next, x_next, discard_y, also ? reinterpret_cast<const unsigned char*>(lo) : nullptr,
+               also ? size_t(hi - lo) / 128 : size_t(0));
     CUDA_CHECK_LAUNCH();
     return;
   }
