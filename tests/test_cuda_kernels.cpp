@@ -148,6 +148,30 @@ TEST(CudaKernels, CopyWords) {
 // memset_nodes_as_kernels against the memset nodes it replaces: 1-, 2- and 4-byte elements, pitched rows and
 // uneven widths, each followed by a copy that must see its stores (the edges moved with it); bytes between the rows
 // keep their old value.
+// discard_l2 drops only whole 128-byte lines inside its ranges: every byte outside them keeps its value.
+TEST(CudaKernels, DiscardL2) {
+  REQUIRE_GPU();
+  const size_t n = 20000;
+  std::vector<uint8_t> host(n);
+  for (size_t i = 0; i < n; ++i) host[i] = uint8_t(i * 7 + 3);
+  Dev<uint8_t> buf(n);
+  buf.put(host);
+  L2Discard dead;
+  dead.add(buf.p + 5, 3000);   // lines 1 .. 23 (bytes 128 .. 3071)
+  dead.add(buf.p + 8192, 64);  // less than a line: nothing
+  dead.add(buf.p + 10000, 5000);
+  discard_l2(dead, nullptr);
+  const auto after = buf.get();
+  auto inside = [](size_t i, size_t start, size_t bytes) {
+    const size_t lo = (start + 127) / 128 * 128, hi = (start + bytes) / 128 * 128;
+    return i >= lo && i < hi;
+  };
+  size_t changed_outside = 0;
+  for (size_t i = 0; i < n; ++i)
+    if (!inside(i, 5, 3000) && !inside(i, 10000, 5000) && after[i] != host[i]) ++changed_outside;
+  EXPECT_EQ(changed_outside, 0u);
+}
+
 TEST(CudaKernels, MemsetNodesAsKernels) {
   REQUIRE_GPU();
   struct Case {

@@ -1062,6 +1062,23 @@ class CudaBackend final : public Backend {
       // start before that kernel ends; queued first, it held those kernels back behind it as well.
       CUDA_CHECK(cudaEventRecord(fork_, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
+      if (pass == Pass::Decoder && (opt_.expert_rows_l2 & 16)) {
+        // The attention chain's buffers, dead until the next layer rewrites them, leave L2 before the expert stream
+        // (CudaOptions::expert_rows_l2 bit 16). Not the full layers' canvas keys / values: they sit in the cache.
+        const size_t b2 = sizeof(bf16), rows = size_t(T);
+        cuda::L2Discard dead;
+        dead.add(s_.x, rows * H * b2);
+        dead.add(s_.qkv, rows * size_t(L.nqkv) * b2);
+        dead.add(s_.q, rows * size_t(nh) * D * b2);
+        dead.add(s_.att, rows * size_t(nh) * D * b2);
+        dead.add(s_.a, rows * H * b2);
+        if (!gemm_attn) dead.add(s_.kn, rows * size_t(nkv) * D * b2), dead.add(s_.vn, rows * size_t(nkv) * D * b2);
+        if (gemm_attn) {
+          dead.add(s_.attn_S, size_t(nh) * rows * size_t(attn_ld_) * sizeof(float));
+          dead.add(s_.attn_P, size_t(nh) * rows * size_t(attn_ld_) * b2);
+        }
+        cuda::discard_l2(dead, side_);
+      }
       gated_mlp_up_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, cfg_.intermediate_size);
       if (!opt_.dense_down_last)
         gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);

@@ -723,6 +723,31 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
 
 }  // namespace
 
+namespace {
+struct LineRanges {
+  const unsigned char* p[8];
+  size_t lines[8];
+  int n;
+};
+__global__ void discard_l2_k(LineRanges r) {
+  const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x, nth = size_t(gridDim.x) * blockDim.x;
+  for (int j = 0; j < r.n; ++j)
+    for (size_t i = tid; i < r.lines[j]; i += nth) discard_l2_line(r.p[j] + i * 128);
+}
+}  // namespace
+
+void discard_l2(const L2Discard& ranges, cudaStream_t s) {
+  LineRanges r{};
+  for (int j = 0; j < ranges.n; ++j) {
+    const uintptr_t lo = (reinterpret_cast<uintptr_t>(ranges.p[j]) + 127) & ~uintptr_t(127);
+    const uintptr_t hi = (reinterpret_cast<uintptr_t>(ranges.p[j]) + ranges.bytes[j]) & ~uintptr_t(127);
+    if (hi > lo) r.p[r.n] = reinterpret_cast<const unsigned char*>(lo), r.lines[r.n] = (hi - lo) / 128, ++r.n;
+  }
+  if (r.n == 0) return;
+  discard_l2_k<<<64, 256, 0, s>>>(r);
+  CUDA_CHECK_LAUNCH();
+}
+
 void route_top_k(const float* logits, int T, int E, int k, const float* per_expert_scale, int32_t* idx, float* w,
                  cudaStream_t s) {
   if (T == 0) return;
