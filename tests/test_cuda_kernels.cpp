@@ -148,30 +148,6 @@ TEST(CudaKernels, CopyWords) {
 // memset_nodes_as_kernels against the memset nodes it replaces: 1-, 2- and 4-byte elements, pitched rows and
 // uneven widths, each followed by a copy that must see its stores (the edges moved with it); bytes between the rows
 // keep their old value.
-// discard_l2 drops only whole 128-byte lines inside its ranges: every byte outside them keeps its value.
-TEST(CudaKernels, DiscardL2) {
-  REQUIRE_GPU();
-  const size_t n = 20000;
-  std::vector<uint8_t> host(n);
-  for (size_t i = 0; i < n; ++i) host[i] = uint8_t(i * 7 + 3);
-  Dev<uint8_t> buf(n);
-  buf.put(host);
-  L2Discard dead;
-  dead.add(buf.p + 5, 3000);   // lines 1 .. 23 (bytes 128 .. 3071)
-  dead.add(buf.p + 8192, 64);  // less than a line: nothing
-  dead.add(buf.p + 10000, 5000);
-  discard_l2(dead, nullptr);
-  const auto after = buf.get();
-  auto inside = [](size_t i, size_t start, size_t bytes) {
-    const size_t lo = (start + 127) / 128 * 128, hi = (start + bytes) / 128 * 128;
-    return i >= lo && i < hi;
-  };
-  size_t changed_outside = 0;
-  for (size_t i = 0; i < n; ++i)
-    if (!inside(i, 5, 3000) && !inside(i, 10000, 5000) && after[i] != host[i]) ++changed_outside;
-  EXPECT_EQ(changed_outside, 0u);
-}
-
 TEST(CudaKernels, MemsetNodesAsKernels) {
   REQUIRE_GPU();
   struct Case {
@@ -846,13 +822,13 @@ TEST(CudaKernels, MoeCombineFfn) {
     moe_combine(dy16.p, didx.p, dw.p, dspos.p, T, k, H, out_b.p, nullptr);
     const auto of = out_f.get(), ob = out_b.get();
     EXPECT_EQ(0, std::memcmp(of.data(), ob.data(), of.size() * sizeof(float))) << "moe_combine, bf16 rows";
-    {  // the combine dropping each bf16 y line after reading it (discard_y; H % 64 == 0 only), and the lines of an
-       // unrelated, unaligned range (discard_also): the same bits. Last: dy16 is undefined afterwards
+    {  // the combine dropping each bf16 y line after reading it (discard_y; H % 64 == 0 only): the same bits. Last:
+       // dy16 is undefined afterwards
       Dev<float> dh_d(h.size());
-      Dev<bf16> xn_d(h.size()), dead(70001);
+      Dev<bf16> xn_d(h.size());
       dh_d.put(h);
       moe_combine_ffn(dy16.p, didx.p, dw.p, dspos.p, T, k, dh_d.p, dm1.p, H, dw1.p, dw2.p, dwn.p, eps, scalar, nullptr,
-                      dwx.p, xn_d.p, /*discard_y=*/true, dead.p + 3, 69000 * sizeof(bf16));
+                      dwx.p, xn_d.p, /*discard_y=*/true);
       const auto hd = dh_d.get();
       const auto xd = xn_d.get();
       EXPECT_EQ(0, std::memcmp(hb.data(), hd.data(), hb.size() * sizeof(float))) << "discard, T " << T << " H " << H;

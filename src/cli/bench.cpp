@@ -608,10 +608,8 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_option("--expert-rows-l2", a->expert_rows_l2,
                                       "A/B: denoise passes keep the expert launch's outputs in L2, a mask: 1 bf16 y rows "
                                       "stored evict_last, 2 act rows stored evict_last, 4 the combine discards each y "
-                                      "line it read, 8 the combine discards the act rows, 16 the attention chain's dead buffers "
-                                      "are discarded before the experts; 0 none (CudaOptions::expert_rows_l2, "
-                                      "default 7)")
-                           ->check(CLI::Range(0, 31));
+                                      "line it read; 0 none (CudaOptions::expert_rows_l2, default 7)")
+                           ->check(CLI::Range(0, 7));
                        sub.add_flag("--router-tc", a->router_tc,
                                     "A/B: the router's partial logits as 3xTF32 on the tensor cores instead of f32 "
                                     "FMAs (cuda::set_router_tensor_cores)");

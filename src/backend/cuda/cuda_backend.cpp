@@ -62,7 +62,6 @@ struct Scratch {
   float* y;     // the experts' output rows, f32 or (denoise passes, CudaOptions::bf16_expert_rows) bf16
   float* gu32;  // the padded cuBLASLt path's f32 gate/up, before its GELU pass
   bf16 *x, *x1, *xe, *qkv, *q, *kn, *vn, *att, *a, *gu, *actd, *m1, *xs, *acte, *probs;
-  size_t acte_rows = 0;  // rows of acte
   int32_t *idx, *offsets, *sorted_pos, *moe_meta;
   int32_t* slot_token;  // [E M]: the token in each padded expert slot (moe_assign_padded), for the gathered gate_up
   float* router_partial;      // router_top_k's split partials (canvas-sized passes)
@@ -1062,23 +1061,6 @@ class CudaBackend final : public Backend {
       // start before that kernel ends; queued first, it held those kernels back behind it as well.
       CUDA_CHECK(cudaEventRecord(fork_, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(side_, fork_));
-      if (pass == Pass::Decoder && (opt_.expert_rows_l2 & 16)) {
-        // The attention chain's buffers, dead until the next layer rewrites them, leave L2 before the expert stream
-        // (CudaOptions::expert_rows_l2 bit 16). Not the full layers' canvas keys / values: they sit in the cache.
-        const size_t b2 = sizeof(bf16), rows = size_t(T);
-        cuda::L2Discard dead;
-        dead.add(s_.x, rows * H * b2);
-        dead.add(s_.qkv, rows * size_t(L.nqkv) * b2);
-        dead.add(s_.q, rows * size_t(nh) * D * b2);
-        dead.add(s_.att, rows * size_t(nh) * D * b2);
-        dead.add(s_.a, rows * H * b2);
-        if (!gemm_attn) dead.add(s_.kn, rows * size_t(nkv) * D * b2), dead.add(s_.vn, rows * size_t(nkv) * D * b2);
-        if (gemm_attn) {
-          dead.add(s_.attn_S, size_t(nh) * rows * size_t(attn_ld_) * sizeof(float));
-          dead.add(s_.attn_P, size_t(nh) * rows * size_t(attn_ld_) * b2);
-        }
-        cuda::discard_l2(dead, side_);
-      }
       gated_mlp_up_on(*gemm_side_, side_, s_.x1, T, L.dense_gu, cfg_.intermediate_size);
       if (!opt_.dense_down_last)
         gated_mlp_down_on(*gemm_side_, side_, T, L.dense_down, cfg_.intermediate_size, s_.m1);
@@ -1197,18 +1179,11 @@ class CudaBackend final : public Backend {
     // The combine also writes the next layer's input norm to x; after a decoder pass's last layer, the final norm
     // the lm_head reads (an encoder pass has no lm_head).
     const bool last = l + 1 == cfg_.num_layers;
-    // CudaOptions::expert_rows_l2 bit 8: the act rows of this pass (padded and overflow) leave L2 with the combine.
-    const bool drop_act = pass == Pass::Decoder && padded && (opt_.expert_rows_l2 & 8) != 0;
-    const bf16* act_discard = drop_act ? s_.acte : nullptr;
-    const size_t act_discard_bytes =
-        drop_act ? std::min(size_t(E) * size_t(M) + size_t(T) * size_t(K), s_.acte_rows) * size_t(Ie) * sizeof(bf16)
-                 : 0;
     const float* next_norm = !last ? layers_[size_t(l) + 1].input_norm
                              : pass == Pass::Decoder ? weights_->final_norm_ : nullptr;
     cuda::moe_combine_ffn(y, s_.idx, s_.wk, s_.sorted_pos, T, K, s_.h, s_.m1, H, L.post_ff1, L.post_ff2,
                           L.post_ff, eps, pass == Pass::Encoder ? L.enc_scalar : L.dec_scalar, stream_, next_norm,
-                          next_norm ? s_.x : nullptr, pass == Pass::Decoder && (opt_.expert_rows_l2 & 4) != 0,
-                          act_discard, act_discard_bytes);
+                          next_norm ? s_.x : nullptr, pass == Pass::Decoder && (opt_.expert_rows_l2 & 4) != 0);
     mark(kStCombine);
   }
 
@@ -1283,7 +1258,6 @@ class CudaBackend final : public Backend {
     s_.actd = ar.take<bf16>(Tm * Id);
     s_.xs = ar.take<bf16>(exp_rows * H);
     s_.acte = ar.take<bf16>(exp_rows * Ie);
-    s_.acte_rows = exp_rows;
     s_.probs = ar.take<bf16>(Lc * V);
     s_.idx = ar.take<int32_t>(Tm * K);
     s_.sorted_pos = ar.take<int32_t>(Tm * K);

@@ -132,10 +132,10 @@ struct CudaOptions {
   bool bf16_expert_rows = true;
   // Denoise passes keep the fused expert launch's outputs in L2 until the combine has read them, a mask: 1 its bf16 y
   // rows and 2 its act rows stored with an evict_last policy (cuda::TmaExpertsPlan::rows_evict_last), 4 the combine
-  // dropping each y line once read (moe_combine_ffn's discard_y: never written back), 8 the combine dropping the act
-  // rows as well, 16 the attention chain's dead buffers dropped from L2 before the expert stream (a small kernel on
-  // the dense MLP's stream). Their write-backs otherwise land in the middle of the weight stream, and evict_last
-  // lines left in L2 crowd it (H100: 1 | 2 alone +0.3 ms). The same results either way. A/B: bench --expert-rows-l2.
+  // dropping each y line once read (moe_combine_ffn's discard_y: never written back). Their write-backs otherwise
+  // land in the middle of the weight stream. The same results either way. H100, same-call pairs (docs/BENCHMARKS.md,
+  // session 31): 4K step -0.09 ms; 1 | 2 without the discard +0.3 ms (pinned dirty lines crowd the stream's L2).
+  // A/B: bench --expert-rows-l2 MASK.
   int expert_rows_l2 = 7;
   // Denoise passes run the sliding layers' qkv projection and every layer's o_proj on our Hopper GEMM
   // (kernels_dense_tma.cu: split-K f32 partials that qkv_norm_rope / add_rms_norm_pre_ffn add up as they read them,

@@ -490,22 +490,9 @@ void moe_combine(ExpertRowsIn y, const int32_t* idx, const float* w, const int32
 void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
                      float scalar, cudaStream_t s, const float* w_next = nullptr, bf16* x_next = nullptr,
-                     bool discard_y = false, const void* discard_also = nullptr, size_t discard_also_bytes = 0);
-// Drops the whole 128-byte lines of up to 8 ranges from L2 without their write-back (discard.global.L2); their
-// contents are undefined afterwards. For buffers that are dead until rewritten (CudaOptions::expert_rows_l2 bit 16).
-struct L2Discard {
-  const void* p[8] = {};
-  size_t bytes[8] = {};
-  int n = 0;
-  void add(const void* q, size_t b) {
-    if (q && b && n < 8) p[n] = q, bytes[n] = b, ++n;
-  }
-};
-void discard_l2(const L2Discard& ranges, cudaStream_t s);
+                     bool discard_y = false);
 // discard_y (a bf16 y only, H % 64 == 0, y 128-byte aligned; ignored otherwise): every y line the combine reads is
 // dropped from L2 afterwards (discard.global.L2: never written back to DRAM). y's contents are then undefined, so
-// only where nothing reads y again (a denoise pass's layer; CudaOptions::expert_rows_l2). discard_also: the whole
-// 128-byte lines of [discard_also, + discard_also_bytes) dropped the same way, split over the blocks (the experts'
-// act rows, dead once the combine may run).
+// only where nothing reads y again (a denoise pass's layer; CudaOptions::expert_rows_l2).
 
 }  // namespace dg::cuda

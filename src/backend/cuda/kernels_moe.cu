@@ -588,7 +588,7 @@ template <int NV, int KMAX, int kCombineThreads, bool YB>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
     const void* y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int k, float* h, const bf16* m1,
     int H, const float* w1, const float* w2, const float* wn, float eps, float scalar, const float* w_next,
-    bf16* x_next, bool discard_y, const unsigned char* discard_also, size_t discard_lines) {
+    bf16* x_next, bool discard_y) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   static_assert(KMAX <= 32, "one lane a source");
@@ -666,13 +666,6 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
           for (int j = 0; j < k; ++j) discard_l2_line(static_cast<const bf16*>(y) + size_t(src_row[j]) * H + 4 * c);
       }
   }
-  if (discard_also) {  // this block's share of the lines (its predecessors, the only readers, have completed)
-    const size_t per = (discard_lines + gridDim.x - 1) / gridDim.x;
-    for (size_t i = threadIdx.x; i < per; i += blockDim.x) {
-      const size_t line = size_t(blockIdx.x) * per + i;
-      if (line < discard_lines) discard_l2_line(discard_also + line * 128);
-    }
-  }
   float s3 = 0;
 #pragma unroll
   for (int q = 0; q < NV; ++q) {
@@ -722,31 +715,6 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_ffn_vec_k(
 }
 
 }  // namespace
-
-namespace {
-struct LineRanges {
-  const unsigned char* p[8];
-  size_t lines[8];
-  int n;
-};
-__global__ void discard_l2_k(LineRanges r) {
-  const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x, nth = size_t(gridDim.x) * blockDim.x;
-  for (int j = 0; j < r.n; ++j)
-    for (size_t i = tid; i < r.lines[j]; i += nth) discard_l2_line(r.p[j] + i * 128);
-}
-}  // namespace
-
-void discard_l2(const L2Discard& ranges, cudaStream_t s) {
-  LineRanges r{};
-  for (int j = 0; j < ranges.n; ++j) {
-    const uintptr_t lo = (reinterpret_cast<uintptr_t>(ranges.p[j]) + 127) & ~uintptr_t(127);
-    const uintptr_t hi = (reinterpret_cast<uintptr_t>(ranges.p[j]) + ranges.bytes[j]) & ~uintptr_t(127);
-    if (hi > lo) r.p[r.n] = reinterpret_cast<const unsigned char*>(lo), r.lines[r.n] = (hi - lo) / 128, ++r.n;
-  }
-  if (r.n == 0) return;
-  discard_l2_k<<<64, 256, 0, s>>>(r);
-  CUDA_CHECK_LAUNCH();
-}
 
 void route_top_k(const float* logits, int T, int E, int k, const float* per_expert_scale, int32_t* idx, float* w,
                  cudaStream_t s) {
@@ -864,8 +832,7 @@ void moe_combine(ExpertRowsIn y, const int32_t* idx, const float* w, const int32
 
 void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
-                     float scalar, cudaStream_t s, const float* w_next, bf16* x_next, bool discard_y,
-                     const void* discard_also, size_t discard_also_bytes) {
+                     float scalar, cudaStream_t s, const float* w_next, bf16* x_next, bool discard_y) {
   if (T == 0) return;
   if (k > kMaxTopK) throw_cuda_error("moe_combine_ffn", "top-k above 32", 0, __FILE__, __LINE__);
   if (x_next && !w_next) throw_cuda_error("moe_combine_ffn", "x_next needs w_next", 0, __FILE__, __LINE__);
@@ -875,12 +842,8 @@ void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const i
                  : narrow  ? moe_combine_ffn_vec_k<1, 8, 768, false>
                            : moe_combine_ffn_vec_k<1, 8, 1024, false>;
     discard_y = discard_y && y.is_bf16 && H % 64 == 0 && (reinterpret_cast<uintptr_t>(y.p) & 127) == 0;
-    const uintptr_t lo = (reinterpret_cast<uintptr_t>(discard_also) + 127) & ~uintptr_t(127);
-    const uintptr_t hi = (reinterpret_cast<uintptr_t>(discard_also) + discard_also_bytes) & ~uintptr_t(127);
-    const bool also = discard_also && hi > lo;
     launch_pdl(kern, dim3(T), dim3(narrow ? 768 : 1024), 0, s, y.p, idx, w, sorted_pos, k, h, m1, H, w1, w2, w_post,
-               eps, scalar, w_next, x_next, discard_y, also ? reinterpret_cast<const unsigned char*>(lo) : nullptr,
-               also ? size_t(hi - lo) / 128 : size_t(0));
+               eps, scalar, w_next, x_next, discard_y);
     CUDA_CHECK_LAUNCH();
     return;
   }
