@@ -1454,13 +1454,11 @@ TEST(CudaKernels, MoeExpertsPaddedTma) {
       expect_bf16_rounding(yf1, y_b.get(), "fused, bf16 y, " + what);
       expect_bf16_rounding(y1, y_db.get(), "down, bf16 y, " + what);
       // y and act stored with an evict_last policy (rows_evict_last 1 | 2): the same bits, the same rows written
-      Dev<bf16> act_l(rows * I), y_l(rows * H), y_b2(rows * H);  // both poisoned alike
-      moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_b.p, y_b2.p, nullptr,
-                                   {.tile_counters = fused_ctr.p});
+      Dev<bf16> act_l(rows * I), y_l(rows * H);  // poisoned as y_b was
       moe_experts_fused_tma_masked(wgu, wdn, dx.p, dmasks.p, T, E, H, I, act_l.p, y_l.p, nullptr,
                                    {.tile_counters = fused_ctr.p, .rows_evict_last = 3});
       EXPECT_TRUE(same(a1, act_l.get())) << "fused, act evict_last: act, " << what;
-      EXPECT_TRUE(same(y_b2.get(), y_l.get())) << "fused, y evict_last: y, " << what;
+      EXPECT_TRUE(same(y_b.get(), y_l.get())) << "fused, y evict_last: y, " << what;
     }
     {  // Two token tiles an expert (TmaExpertsPlan::two_token_tiles): the layout of kFusedExpertRows rows an expert
       constexpr int MF = kFusedExpertRows;

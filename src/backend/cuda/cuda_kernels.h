@@ -487,12 +487,12 @@ void moe_combine(ExpertRowsIn y, const int32_t* idx, const float* w, const int32
                  float* out, cudaStream_t s);
 // moe_combine into m2, then ffn_combine(h, m1, m2, ...), in one kernel (m2 never reaches global memory).
 // x_next (may be null): also rms_norm_f32_to_bf16(h; w_next) of the new h, the next layer's input (same arithmetic).
+// discard_y (a bf16 y only, H % 64 == 0, y 128-byte aligned; ignored otherwise): every y line the combine reads is
+// dropped from L2 afterwards (discard.global.L2: never written back to DRAM). y's contents are then undefined, so
+// only where nothing reads y again (a denoise pass's layer; CudaOptions::expert_rows_l2).
 void moe_combine_ffn(ExpertRowsIn y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k,
                      float* h, const bf16* m1, int H, const float* w1, const float* w2, const float* w_post, float eps,
                      float scalar, cudaStream_t s, const float* w_next = nullptr, bf16* x_next = nullptr,
                      bool discard_y = false);
-// discard_y (a bf16 y only, H % 64 == 0, y 128-byte aligned; ignored otherwise): every y line the combine reads is
-// dropped from L2 afterwards (discard.global.L2: never written back to DRAM). y's contents are then undefined, so
-// only where nothing reads y again (a denoise pass's layer; CudaOptions::expert_rows_l2).
 
 }  // namespace dg::cuda

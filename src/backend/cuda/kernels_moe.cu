@@ -772,7 +772,6 @@ void set_route_tokens_per_block(int tokens) {
 }
 int route_tokens_per_block() { return g_route_tokens; }
 
-
 size_t router_partial_floats(int T, int H) { return size_t(router_split(T, H).splits) * size_t(T) * kRtExp; }
 
 size_t expert_mask_words(int T, int E) { return size_t(E) * size_t((T + 31) / 32); }
