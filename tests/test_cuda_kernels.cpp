@@ -571,6 +571,28 @@ TEST(CudaKernels, SoftmaxRowsToBf16) {
   EXPECT_THROW(softmax_rows_to_bf16(nullptr, 16, 1, 1, 1, 5, 6, nullptr, nullptr), std::exception);  // n_cols % 4
 }
 
+// softmax_rows_to_bf16 with discard_scores (each score line dropped from L2 once read): P the same bits as without, on
+// every dispatch branch, with rows 128-byte aligned (ld % 32 == 0) so that the discard path runs. S is uploaded again
+// before each launch: its contents are undefined after a discarding one.
+TEST(CudaKernels, SoftmaxRowsDiscardScores) {
+  REQUIRE_GPU();
+  for (auto [rows, groups, group_rows, n, n_cols] :
+       {std::tuple{3, 2, 5, 37, 64}, std::tuple{9, 2, 11, 1500, 1536}, std::tuple{4, 3, 4, 4300, 4352},
+        std::tuple{2, 2, 3, 9001, 9088}, std::tuple{1, 2, 2, 20001, 20032}}) {
+    const int ld = n_cols + 32;
+    const size_t total = size_t(groups) * group_rows * ld;
+    const auto S = rnd(total, -30, 30);
+    Dev<float> dS(total);
+    Dev<bf16> dP(total), dPd(total);
+    dS.put(S);
+    softmax_rows_to_bf16(dS.p, ld, rows, groups, group_rows, n, n_cols, dP.p, nullptr);
+    dS.put(S);
+    softmax_rows_to_bf16(dS.p, ld, rows, groups, group_rows, n, n_cols, dPd.p, nullptr, /*discard_scores=*/true);
+    auto a = dP.get(), b = dPd.get();
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)), 0) << "n " << n << ": the discard changed P";
+  }
+}
+
 // gemm_attention (cuBLASLt S = Q K^T, softmax, O = P V) against cpu::attention over keys [0, n) with every key
 // visible: GQA groups 1 / 3 / 8, head dims 32 / 48 / 256 / 512, one query, n not a multiple of the 64-key columns
 // (the rows past n are finite garbage: their P must be 0), the model's full layer at kv 4096; repeatable bitwise.

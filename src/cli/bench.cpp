@@ -54,6 +54,7 @@ struct BenchArgs {
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   int expert_rows_l2 = 7;  // CudaOptions::expert_rows_l2
+  bool discard_attn_scores = false;  // CudaOptions::discard_attention_scores
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
   bool one_step_graph = false;  // CudaOptions::split_step_head off
   bool temperature_in_key = false;  // CudaOptions::device_temperature off
@@ -205,6 +206,7 @@ int run_bench(const BenchArgs& args) {
   opt.dense_down_all_sms = !args.dense_down_side_plan;
   opt.bf16_expert_rows = !args.f32_expert_rows;
   opt.expert_rows_l2 = args.expert_rows_l2;
+  opt.discard_attention_scores = args.discard_attn_scores;
   opt.dense_tma = args.dense_tma;
   opt.dense_tma_cluster = args.dense_tma_cluster;
   opt.graph_memset_kernels = !args.graph_memset_nodes;
@@ -294,6 +296,7 @@ int run_bench(const BenchArgs& args) {
   out["router_tensor_cores"] = args.router_tc;
   out["route_tokens_per_block"] = args.route_tokens;
   out["expert_rows_l2"] = args.expert_rows_l2;
+  out["discard_attention_scores"] = args.discard_attn_scores;
   out["dense_mlp_priority"] = opt.dense_mlp_priority;
   out["tma_grid"] = args.tma_grid;
   out["tma_stages"] = args.tma_stages;
@@ -610,6 +613,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "stored evict_last, 2 act rows stored evict_last, 4 the combine discards each y "
                                       "line it read; 0 none (CudaOptions::expert_rows_l2, default 7)")
                            ->check(CLI::Range(0, 7));
+                       sub.add_flag("--discard-attn-scores", a->discard_attn_scores,
+                                    "A/B: the full layers' denoise softmax drops each f32 score line from L2 once "
+                                    "read, without its write-back (CudaOptions::discard_attention_scores)");
                        sub.add_flag("--router-tc", a->router_tc,
                                     "A/B: the router's partial logits as 3xTF32 on the tensor cores instead of f32 "
                                     "FMAs (cuda::set_router_tensor_cores)");

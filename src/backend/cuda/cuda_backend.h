@@ -137,6 +137,11 @@ struct CudaOptions {
   // session 31): 4K step -0.09 ms; 1 | 2 without the discard +0.3 ms (pinned dirty lines crowd the stream's L2).
   // A/B: bench --expert-rows-l2 MASK.
   int expert_rows_l2 = 7;
+  // Denoise passes' full layers on the GEMM attention: the softmax drops each f32 score line from L2 once it has read
+  // it (cuda::softmax_rows_to_bf16's discard_scores). A layer's S is 71 MB at kv 4096, more than L2 holds; its dirty
+  // lines would otherwise be written back during the PV GEMM and the layer's expert stream. The same results either
+  // way. A/B: bench --discard-attn-scores.
+  bool discard_attention_scores = false;
   // Denoise passes run the sliding layers' qkv projection and every layer's o_proj on our Hopper GEMM
   // (kernels_dense_tma.cu: split-K f32 partials that qkv_norm_rope / add_rms_norm_pre_ffn add up as they read them,
   // launched with PDL so the weight stream starts during the predecessor's tail) instead of cuBLASLt, which cannot

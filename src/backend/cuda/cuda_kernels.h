@@ -225,11 +225,15 @@ size_t gemm_attention_pointer_count(int nh);
 // Writes a's batch pointers (they depend only on the buffers) into a.ptrs; synchronizes s.
 void set_gemm_attention_pointers(const GemmAttentionArgs& a, cudaStream_t s);
 // Attention of T queries over keys [0, n) on gemm's stream s (three launches: S GEMM, softmax, PV GEMM).
-void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaStream_t s);
+// discard_scores: softmax_rows_to_bf16's below (a.S is left undefined).
+void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaStream_t s, bool discard_scores = false);
 // P[r, c] = bf16(exp(S[r, c] - max) / sum) for c < n (max, sum over c < n in f32), 0 for n <= c < n_cols; row r of
 // group g at S + (g group_rows + r) ld (P likewise), r < rows. n_cols % 4 == 0, ld % 8 == 0.
+// discard_scores (where S is 128-byte aligned, ld % 32 == 0 and n_cols % 32 == 0; ignored otherwise): each row's
+// lines [0, n_cols) are dropped from L2 once read (discard.global.L2: never written back), so S's contents are
+// undefined afterwards. P is the same bits either way.
 void softmax_rows_to_bf16(const float* S, int ld, int rows, int groups, int group_rows, int n, int n_cols, bf16* P,
-                          cudaStream_t s);
+                          cudaStream_t s, bool discard_scores = false);
 // A/B (bench --no-softmax-reverse): softmax_rows_to_bf16's blocks take the groups last first (on, the default: the
 // rows the S GEMM wrote last, still in L2, are read first) or in order. The results are the same bits.
 void set_softmax_rows_reverse(bool on);

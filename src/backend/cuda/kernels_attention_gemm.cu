@@ -71,11 +71,19 @@ __device__ __forceinline__ unsigned softmax_group(bool reverse) {
   return reverse ? gridDim.y - 1 - blockIdx.y : blockIdx.y;
 }
 
+// The 128-byte lines of a score row's n_cols columns dropped from L2 without their write-back (discard.global.L2),
+// split over the block's threads: the row is dead once read, and a full layer's S (71 MB at kv 4096) is more than
+// L2 holds, so its dirty lines would otherwise be written back in the middle of the PV GEMM and the expert stream.
+// The caller guarantees 128-byte aligned rows and n_cols % 32 == 0.
+__device__ __forceinline__ void discard_row_lines(const float* row, int n_cols, int threads) {
+  for (int l = int(threadIdx.x); l < n_cols / 32; l += threads) discard_l2_line(row + 32 * l);
+}
+
 // One row a block (grid: rows x groups; row r of group g at S + (g group_rows + r) ld), the row held in registers:
 // kThreads threads of kPer4 float4 chunks (chunk c4 = thread + kThreads i), so n_cols <= 4 kThreads kPer4.
 template <int kThreads, int kPer4>
 __global__ void __launch_bounds__(kThreads) softmax_rows_regs_k(const float* S, int ld, int group_rows, int n,
-                                                                int n_cols, bf16* P, bool reverse) {
+                                                                int n_cols, bf16* P, bool reverse, bool discard) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   constexpr int kW = kThreads / 32;
@@ -97,6 +105,7 @@ __global__ void __launch_bounds__(kThreads) softmax_rows_regs_k(const float* S, 
     m = fmaxf(m, fmaxf(fmaxf(v[4 * i], v[4 * i + 1]), fmaxf(v[4 * i + 2], v[4 * i + 3])));
   }
   m = block_max_all<kW>(m, red);
+  if (discard) discard_row_lines(S + row * ld, n_cols, kThreads);  // the barrier above: every load of the row is done
   float sum = 0;
 #pragma unroll
   for (int i = 0; i < 4 * kPer4; ++i) {
@@ -115,7 +124,7 @@ __global__ void __launch_bounds__(kThreads) softmax_rows_regs_k(const float* S, 
 // order, then a second pass that writes P.
 constexpr int kLongThreads = 512;
 __global__ void __launch_bounds__(kLongThreads) softmax_rows_long_k(const float* S, int ld, int group_rows, int n,
-                                                                    int n_cols, bf16* P, bool reverse) {
+                                                                    int n_cols, bf16* P, bool reverse, bool discard) {
   pdl_wait();  // launch.cuh: nothing before this touches global memory
   pdl_trigger();
   constexpr int kW = kLongThreads / 32;
@@ -138,6 +147,10 @@ __global__ void __launch_bounds__(kLongThreads) softmax_rows_long_k(const float*
     store_bf16x4(p + c, c < n ? expf(x.x - M) * inv : 0.0f, c + 1 < n ? expf(x.y - M) * inv : 0.0f,
                  c + 2 < n ? expf(x.z - M) * inv : 0.0f, c + 3 < n ? expf(x.w - M) * inv : 0.0f);
   }
+  if (discard) {
+    __syncthreads();  // every thread's second pass over the row has read its chunks
+    discard_row_lines(S + row * ld, n_cols, kLongThreads);
+  }
 }
 
 bool g_softmax_reverse = true;  // set_softmax_rows_reverse
@@ -145,21 +158,22 @@ bool g_softmax_reverse = true;  // set_softmax_rows_reverse
 }  // namespace
 
 void softmax_rows_to_bf16(const float* S, int ld, int rows, int groups, int group_rows, int n, int n_cols, bf16* P,
-                          cudaStream_t s) {
+                          cudaStream_t s, bool discard_scores) {
   if (rows <= 0 || groups <= 0) return;
   if (n < 1 || n_cols < n || n_cols % 4 || ld < n_cols || ld % 8 || rows > group_rows || groups > 65535)
     throw_cuda_error("softmax_rows_to_bf16", "bad shape (needs 1 <= n <= n_cols, n_cols % 4 == 0, ld >= n_cols, "
                                              "ld % 8 == 0, rows <= group_rows)", 0, __FILE__, __LINE__);
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(groups));
   const bool rev = g_softmax_reverse;
+  const bool dis = discard_scores && (reinterpret_cast<uintptr_t>(S) & 127) == 0 && ld % 32 == 0 && n_cols % 32 == 0;
   if (n_cols <= 4 * 64 * 6)
-    launch_pdl(softmax_rows_regs_k<64, 6>, grid, dim3(64), 0, s, S, ld, group_rows, n, n_cols, P, rev);
+    launch_pdl(softmax_rows_regs_k<64, 6>, grid, dim3(64), 0, s, S, ld, group_rows, n, n_cols, P, rev, dis);
   else if (n_cols <= 4 * 128 * 9)
-    launch_pdl(softmax_rows_regs_k<128, 9>, grid, dim3(128), 0, s, S, ld, group_rows, n, n_cols, P, rev);
+    launch_pdl(softmax_rows_regs_k<128, 9>, grid, dim3(128), 0, s, S, ld, group_rows, n, n_cols, P, rev, dis);
   else if (n_cols <= 4 * 256 * 9)
-    launch_pdl(softmax_rows_regs_k<256, 9>, grid, dim3(256), 0, s, S, ld, group_rows, n, n_cols, P, rev);
+    launch_pdl(softmax_rows_regs_k<256, 9>, grid, dim3(256), 0, s, S, ld, group_rows, n, n_cols, P, rev, dis);
   else
-    launch_pdl(softmax_rows_long_k, grid, dim3(kLongThreads), 0, s, S, ld, group_rows, n, n_cols, P, rev);
+    launch_pdl(softmax_rows_long_k, grid, dim3(kLongThreads), 0, s, S, ld, group_rows, n, n_cols, P, rev, dis);
 }
 
 void set_softmax_rows_reverse(bool on) { g_softmax_reverse = on; }
@@ -192,7 +206,7 @@ int gemm_attention_key_columns(int n) {
   return (n + kGemmAttentionKeyAlign - 1) / kGemmAttentionKeyAlign * kGemmAttentionKeyAlign;
 }
 
-void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaStream_t s) {
+void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaStream_t s, bool discard_scores) {
   const int n_cols = gemm_attention_key_columns(n);
   if (T < 1 || T > a.head_rows || n < 1 || n_cols > a.ld || a.nh % a.nkv || a.ld % 8)
     throw_cuda_error("gemm_attention", "bad shape (needs 1 <= T <= head_rows, 1 <= n, n rounded up to 64 <= ld, "
@@ -202,7 +216,7 @@ void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaSt
   // column-major S_h^T [n_cols, T] = (K_h as [D, n_cols])^T . (Q_h as [D, T])
   gemm.batched_pointers(true, n_cols, T, a.D, p, Dt::BF16, kv_ld, p + nh, Dt::BF16, q_ld, p + 2 * nh, Dt::F32, a.ld,
                         nh, s);
-  softmax_rows_to_bf16(a.S, a.ld, T, nh, a.head_rows, n, n_cols, a.P, s);
+  softmax_rows_to_bf16(a.S, a.ld, T, nh, a.head_rows, n, n_cols, a.P, s, discard_scores);
   // column-major O_h^T [D, T] = (V_h as [D, n_cols]) . (P_h as [n_cols, T])
   gemm.batched_pointers(false, a.D, T, n_cols, p + 3 * nh, Dt::BF16, kv_ld, p + 4 * nh, Dt::BF16, a.ld, p + 5 * nh,
                         Dt::BF16, q_ld, nh, s);
