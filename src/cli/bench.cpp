@@ -46,6 +46,7 @@ struct BenchArgs {
   bool no_attn_key_runs = false;  // cuda::set_attention_key_runs(false)
   bool no_attn_q_tma = false;     // cuda::set_attention_q_tma(false)
   bool no_attn_ws512 = false;     // cuda::set_attention_ws512(false)
+  bool attn_discard_partials = false;  // cuda::set_attention_discard_partials(true)
   bool no_softmax_reverse = false;  // cuda::set_softmax_rows_reverse(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   int gemm_attention_max_keys = 0;  // > 0: CudaOptions::gemm_attention_max_keys
@@ -160,6 +161,7 @@ int run_bench(const BenchArgs& args) {
   cuda::set_attention_key_runs(!args.no_attn_key_runs);
   cuda::set_attention_q_tma(!args.no_attn_q_tma);
   cuda::set_attention_ws512(!args.no_attn_ws512);
+  cuda::set_attention_discard_partials(args.attn_discard_partials);
   cuda::set_softmax_rows_reverse(!args.no_softmax_reverse);
   cuda::set_router_tensor_cores(args.router_tc);
   cuda::set_route_tokens_per_block(args.route_tokens);
@@ -292,6 +294,7 @@ int run_bench(const BenchArgs& args) {
   out["attention_key_runs"] = !args.no_attn_key_runs;
   out["attention_q_tma"] = !args.no_attn_q_tma;
   out["attention_ws512"] = !args.no_attn_ws512;
+  out["attention_discard_partials"] = args.attn_discard_partials;
   out["softmax_rows_reverse"] = !args.no_softmax_reverse;
   out["router_tensor_cores"] = args.router_tc;
   out["route_tokens_per_block"] = args.route_tokens;
@@ -639,6 +642,10 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                     "A/B: the sliding denoise attention's keys tiled by key index (tiles across the "
                                     "ring's wrap or the cache / canvas boundary load by cp.async) instead of by "
                                     "ring run, every tile one TMA box (cuda::set_attention_key_runs)");
+                       sub.add_flag("--attn-discard-partials", a->attn_discard_partials,
+                                    "A/B: the split-KV attention combine (head dim 256) drops the f32 partial rows "
+                                    "from L2 once read, without their write-back "
+                                    "(cuda::set_attention_discard_partials)");
                        sub.add_flag("--no-attn-q-tma", a->no_attn_q_tma,
                                     "A/B: the sliding attention kernel's Q rows by its consumers' cp.async instead of "
                                     "TMA (cuda::set_attention_q_tma)");

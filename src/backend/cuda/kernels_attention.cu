@@ -136,6 +136,7 @@ struct Split {
   int nsplit;
   float* ws_o;   // [nsplit][nkv][rows][D]
   float* ws_ml;  // [nsplit][nkv][rows][2]
+  bool discard_o = false;  // set_attention_discard_partials: the combine drops ws_o's lines from L2 once read
 };
 
 // Per-block phase timestamps, only in builds with -DDG_ATTN_TIMELINE (tools/gpu/microbench/attention_bench.cu prints
@@ -1695,6 +1696,10 @@ __global__ void attention_combine256_k(AttentionArgs a, Split sp) {
   const CombineWeights cw = combine_weights_of(ml, NS);
 #pragma unroll
   for (int h = 0; h < 2; ++h) combine_store4(v[h], NS, cw, dst + lane * 4 + h * 128);
+  // The partial rows are dead once combined; this warp alone read them (its 1 KB a split, 8 lines). Dropped without
+  // their write-back, ~17 MB a sliding denoise layer stays out of the o_proj's and the expert stream's DRAM traffic.
+  __syncwarp();  // every lane's loads are in
+  if (sp.discard_o && lane < 8 * NS) discard_l2_line(sp.ws_o + ((lane >> 3) * stride + row) * D + (lane & 7) * 32);
 }
 
 // Paths: D = 256 -> attention_ws_k (or attention_wg_k), D = 512 -> attention_wgx_k (cluster pairs), where the sm_90a
@@ -1718,6 +1723,7 @@ bool g_attention_tma = true;  // set_attention_tma
 bool g_attention_key_runs = true;  // set_attention_key_runs
 bool g_attention_q_tma = true;     // set_attention_q_tma
 bool g_attention_ws512 = true;     // set_attention_ws512
+bool g_attention_discard_partials = false;  // set_attention_discard_partials
 
 Split pick_split(const AttentionArgs& a, int base, int64_t tiles, int D) {
   const int rows = a.T * (a.nh / a.nkv);
@@ -1733,7 +1739,7 @@ Split pick_split(const AttentionArgs& a, int base, int64_t tiles, int D) {
         CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void**>(&ws_o), g_ws_o));
         CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void**>(&ws_ml), g_ws_ml));
       }
-      sp = Split{ns, ws_o, ws_ml};
+      sp = Split{ns, ws_o, ws_ml, g_attention_discard_partials && (reinterpret_cast<uintptr_t>(ws_o) & 127) == 0};
     }
   }
   return sp;
@@ -1885,6 +1891,7 @@ void set_attention_tma(bool on) { g_attention_tma = on; }
 void set_attention_key_runs(bool on) { g_attention_key_runs = on; }
 void set_attention_q_tma(bool on) { g_attention_q_tma = on; }
 void set_attention_ws512(bool on) { g_attention_ws512 = on; }
+void set_attention_discard_partials(bool on) { g_attention_discard_partials = on; }
 
 #ifdef DG_ATTN_TIMELINE
 // The per-block timestamps of the last launch (TlSlot order, kTlSlots each); clear_attention_timeline() zeroes them.
