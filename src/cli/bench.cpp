@@ -46,7 +46,7 @@ struct BenchArgs {
   bool no_attn_key_runs = false;  // cuda::set_attention_key_runs(false)
   bool no_attn_q_tma = false;     // cuda::set_attention_q_tma(false)
   bool no_attn_ws512 = false;     // cuda::set_attention_ws512(false)
-  bool attn_discard_partials = false;  // cuda::set_attention_discard_partials(true)
+  bool no_attn_discard_partials = false;  // cuda::set_attention_discard_partials(false)
   bool no_softmax_reverse = false;  // cuda::set_softmax_rows_reverse(false)
   bool no_gemm_attention = false;  // CudaOptions::gemm_attention = false
   int gemm_attention_max_keys = 0;  // > 0: CudaOptions::gemm_attention_max_keys
@@ -55,7 +55,7 @@ struct BenchArgs {
   bool router_tc = false;
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   int expert_rows_l2 = 7;  // CudaOptions::expert_rows_l2
-  bool discard_attn_scores = false;  // CudaOptions::discard_attention_scores
+  bool keep_attn_scores = false;  // CudaOptions::discard_attention_scores = false
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
   bool one_step_graph = false;  // CudaOptions::split_step_head off
   bool temperature_in_key = false;  // CudaOptions::device_temperature off
@@ -161,7 +161,7 @@ int run_bench(const BenchArgs& args) {
   cuda::set_attention_key_runs(!args.no_attn_key_runs);
   cuda::set_attention_q_tma(!args.no_attn_q_tma);
   cuda::set_attention_ws512(!args.no_attn_ws512);
-  cuda::set_attention_discard_partials(args.attn_discard_partials);
+  cuda::set_attention_discard_partials(!args.no_attn_discard_partials);
   cuda::set_softmax_rows_reverse(!args.no_softmax_reverse);
   cuda::set_router_tensor_cores(args.router_tc);
   cuda::set_route_tokens_per_block(args.route_tokens);
@@ -208,7 +208,7 @@ int run_bench(const BenchArgs& args) {
   opt.dense_down_all_sms = !args.dense_down_side_plan;
   opt.bf16_expert_rows = !args.f32_expert_rows;
   opt.expert_rows_l2 = args.expert_rows_l2;
-  opt.discard_attention_scores = args.discard_attn_scores;
+  opt.discard_attention_scores = !args.keep_attn_scores;
   opt.dense_tma = args.dense_tma;
   opt.dense_tma_cluster = args.dense_tma_cluster;
   opt.graph_memset_kernels = !args.graph_memset_nodes;
@@ -294,12 +294,12 @@ int run_bench(const BenchArgs& args) {
   out["attention_key_runs"] = !args.no_attn_key_runs;
   out["attention_q_tma"] = !args.no_attn_q_tma;
   out["attention_ws512"] = !args.no_attn_ws512;
-  out["attention_discard_partials"] = args.attn_discard_partials;
+  out["attention_discard_partials"] = !args.no_attn_discard_partials;
   out["softmax_rows_reverse"] = !args.no_softmax_reverse;
   out["router_tensor_cores"] = args.router_tc;
   out["route_tokens_per_block"] = args.route_tokens;
   out["expert_rows_l2"] = args.expert_rows_l2;
-  out["discard_attention_scores"] = args.discard_attn_scores;
+  out["discard_attention_scores"] = !args.keep_attn_scores;
   out["dense_mlp_priority"] = opt.dense_mlp_priority;
   out["tma_grid"] = args.tma_grid;
   out["tma_stages"] = args.tma_stages;
@@ -616,9 +616,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                       "stored evict_last, 2 act rows stored evict_last, 4 the combine discards each y "
                                       "line it read; 0 none (CudaOptions::expert_rows_l2, default 7)")
                            ->check(CLI::Range(0, 7));
-                       sub.add_flag("--discard-attn-scores", a->discard_attn_scores,
-                                    "A/B: the full layers' denoise softmax drops each f32 score line from L2 once "
-                                    "read, without its write-back (CudaOptions::discard_attention_scores)");
+                       sub.add_flag("--keep-attn-scores", a->keep_attn_scores,
+                                    "A/B: the full layers' denoise softmax leaves the f32 scores in L2 instead of "
+                                    "dropping each line once read (CudaOptions::discard_attention_scores = false)");
                        sub.add_flag("--router-tc", a->router_tc,
                                     "A/B: the router's partial logits as 3xTF32 on the tensor cores instead of f32 "
                                     "FMAs (cuda::set_router_tensor_cores)");
@@ -642,10 +642,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                                     "A/B: the sliding denoise attention's keys tiled by key index (tiles across the "
                                     "ring's wrap or the cache / canvas boundary load by cp.async) instead of by "
                                     "ring run, every tile one TMA box (cuda::set_attention_key_runs)");
-                       sub.add_flag("--attn-discard-partials", a->attn_discard_partials,
-                                    "A/B: the split-KV attention combine (head dim 256) drops the f32 partial rows "
-                                    "from L2 once read, without their write-back "
-                                    "(cuda::set_attention_discard_partials)");
+                       sub.add_flag("--no-attn-discard-partials", a->no_attn_discard_partials,
+                                    "A/B: the split-KV attention combine (head dim 256) leaves the f32 partial rows "
+                                    "in L2 instead of dropping them once read (cuda::set_attention_discard_partials)");
                        sub.add_flag("--no-attn-q-tma", a->no_attn_q_tma,
                                     "A/B: the sliding attention kernel's Q rows by its consumers' cp.async instead of "
                                     "TMA (cuda::set_attention_q_tma)");

@@ -140,8 +140,10 @@ struct CudaOptions {
   // Denoise passes' full layers on the GEMM attention: the softmax drops each f32 score line from L2 once it has read
   // it (cuda::softmax_rows_to_bf16's discard_scores). A layer's S is 71 MB at kv 4096, more than L2 holds; its dirty
   // lines would otherwise be written back during the PV GEMM and the layer's expert stream. The same results either
-  // way. A/B: bench --discard-attn-scores.
-  bool discard_attention_scores = false;
+  // way. H100, same call (docs/BENCHMARKS.md, session 32): with the sliding layers' split partials dropped the same
+  // way (cuda::set_attention_discard_partials) 4K step -0.09 ms, the partials alone -0.04. A/B: bench
+  // --keep-attn-scores.
+  bool discard_attention_scores = true;
   // Denoise passes run the sliding layers' qkv projection and every layer's o_proj on our Hopper GEMM
   // (kernels_dense_tma.cu: split-K f32 partials that qkv_norm_rope / add_rms_norm_pre_ffn add up as they read them,
   // launched with PDL so the weight stream starts during the predecessor's tail) instead of cuBLASLt, which cannot

@@ -203,9 +203,9 @@ void set_attention_q_tma(bool on);
 // A/B (bench --no-attn-ws512): head dim 512 on attention_ws_k in cluster pairs of half-D blocks (on, the default on
 // sm_90a) or on attention_wgx_k. Not bitwise the same (another summation order inside the tensor cores' products).
 void set_attention_ws512(bool on);
-// A/B (bench --attn-discard-partials): the split-KV combine of head dim 256 (attention_combine256_k) drops each
-// split's f32 partial O lines from L2 once it has read them (discard.global.L2: never written back to DRAM). They are
-// dead after the combine; the results are bitwise the same.
+// A/B (bench --no-attn-discard-partials): the split-KV combine of head dim 256 (attention_combine256_k) drops each
+// split's f32 partial O lines from L2 once it has read them (on, the default; discard.global.L2: never written back
+// to DRAM). They are dead after the combine (~17 MB a sliding denoise layer); the results are bitwise the same.
 void set_attention_discard_partials(bool on);
 
 // ---- denoise attention on cuBLASLt (kernels_attention_gemm.cu) ----

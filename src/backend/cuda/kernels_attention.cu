@@ -1723,7 +1723,7 @@ bool g_attention_tma = true;  // set_attention_tma
 bool g_attention_key_runs = true;  // set_attention_key_runs
 bool g_attention_q_tma = true;     // set_attention_q_tma
 bool g_attention_ws512 = true;     // set_attention_ws512
-bool g_attention_discard_partials = false;  // set_attention_discard_partials
+bool g_attention_discard_partials = true;  // set_attention_discard_partials
 
 Split pick_split(const AttentionArgs& a, int base, int64_t tiles, int D) {
   const int rows = a.T * (a.nh / a.nkv);
