@@ -974,8 +974,7 @@ class CudaBackend final : public Backend {
     bf16* kn = gemm_attn ? L.kc + size_t(kv_len_) * nkv * D : s_.kn;
     bf16* vn = gemm_attn ? L.vc + size_t(kv_len_) * nkv * D : s_.vn;
     cuda::qkv_norm_rope(s_.qkv, T, nh, nkv, D, !L.shape.has_v_proj, L.q_norm, L.k_norm, L.inv_freq, kv_len_, eps,
-                        s_.q, kn, vn, stream_, qkv_splits > 0 ? s_.dense_part : nullptr, qkv_splits,
-                        pass == Pass::Decoder && opt_.discard_qkv_rows);
+                        s_.q, kn, vn, stream_, qkv_splits > 0 ? s_.dense_part : nullptr, qkv_splits);
     mark(kStAttnProj);
     if (gemm_attn) {
       cuda::gemm_attention(*gemm_, gemm_attention_args(L), T, int(n_keys), stream_, opt_.discard_attention_scores);

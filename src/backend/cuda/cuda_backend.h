@@ -144,9 +144,6 @@ struct CudaOptions {
   // way (cuda::set_attention_discard_partials) 4K step -0.09 ms, the partials alone -0.04. A/B: bench
   // --keep-attn-scores.
   bool discard_attention_scores = true;
-  // Denoise passes: qkv_norm_rope drops each token's qkv projection row (bf16, ~4 MB a layer) from L2 once read
-  // (discard_qkv). The same results either way. A/B: bench --discard-qkv.
-  bool discard_qkv_rows = false;
   // Denoise passes run the sliding layers' qkv projection and every layer's o_proj on our Hopper GEMM
   // (kernels_dense_tma.cu: split-K f32 partials that qkv_norm_rope / add_rms_norm_pre_ffn add up as they read them,
   // launched with PDL so the weight stream starts during the predecessor's tail) instead of cuBLASLt, which cannot

@@ -78,11 +78,9 @@ void add_bf16_to_f32(float* h, const bf16* a, size_t n, cudaStream_t s);
 // qkv_part (with splits >= 1): qkv's values are bf16(the in-order sum of `splits` split-K partials, qkv_part[(s T +
 // t) width + c]: dense_tma_splitk's output), as dense_splits_to_bf16 would give them; qkv is not read at D 256 / 512,
 // else it is written with those values first.
-// discard_qkv (D 256 / 512, qkv read and 128-byte aligned; ignored otherwise): each token's qkv row is dropped from L2
-// once read (discard.global.L2: never written back), so qkv's contents are undefined afterwards; q / k / v the same.
 void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k, const float* qw, const float* kw,
                    const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k, bf16* v, cudaStream_t s,
-                   const float* qkv_part = nullptr, int splits = 0, bool discard_qkv = false);
+                   const float* qkv_part = nullptr, int splits = 0);
 
 // A/B (bench --qkv-rope-warps): at most this many warps a block of qkv_norm_rope's vector kernel (one warp a row of
 // q / k / v heads; default 32: a token's 32 sliding or 20 full-layer rows in one pass; before session 13: 16).

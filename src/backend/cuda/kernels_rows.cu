@@ -494,7 +494,7 @@ __global__ void qkv_norm_rope_k(const bf16* qkv, int nh, int nkv, int D, bool v_
 template <int EPL, int R>
 __global__ void qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_from_k, const float* qw,
                                     const float* kw, const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k,
-                                    bf16* v, const float* part, int splits, bool discard) {
+                                    bf16* v, const float* part, int splits) {
   constexpr int D = 32 * EPL, half = D / 2;
   const int t = blockIdx.x, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int n_rows = nh + 2 * nkv;
@@ -586,11 +586,6 @@ __global__ void qkv_norm_rope_vec_k(const bf16* qkv, int nh, int nkv, bool v_fro
         reinterpret_cast<uint4*>(dst + e0)[c] = make_uint4(wd[0], wd[1], wd[2], wd[3]);
       }
     }
-  }
-  if (discard) {  // the token's qkv row is dead once every warp has read its heads (v may be read from k's columns)
-    __syncthreads();
-    const char* row = reinterpret_cast<const char*>(src_row);
-    for (int l = threadIdx.x; l < width / 64; l += blockDim.x) discard_l2_line(row + 128 * l);
   }
 }
 
@@ -1279,7 +1274,7 @@ int g_qkv_rope_max_warps = 32;  // set_qkv_rope_max_warps
 void set_qkv_rope_max_warps(int n) { g_qkv_rope_max_warps = std::clamp(n > 0 ? n : 32, 1, 32); }
 void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k, const float* qw, const float* kw,
                    const float* inv_freq, int64_t pos0, float eps, bf16* q, bf16* k, bf16* v, cudaStream_t s,
-                   const float* qkv_part, int splits, bool discard_qkv) {
+                   const float* qkv_part, int splits) {
   if (T == 0) return;
   const int rows = nh + 2 * nkv;
   if (qkv_part && splits < 1) throw_cuda_error("qkv_norm_rope", "qkv_part needs splits >= 1", splits, __FILE__, __LINE__);
@@ -1289,10 +1284,8 @@ void qkv_norm_rope(const bf16* qkv, int T, int nh, int nkv, int D, bool v_from_k
     constexpr int kRowsPerWarp = 2;  // qkv_norm_rope_vec_k's R
     const int vwarps = std::min((rows + kRowsPerWarp - 1) / kRowsPerWarp, g_qkv_rope_max_warps);
     auto* kern = D == 256 ? qkv_norm_rope_vec_k<8, kRowsPerWarp> : qkv_norm_rope_vec_k<16, kRowsPerWarp>;
-    // whole 128-byte lines only: every row width here is a multiple of 64 bf16 (D is)
-    const bool discard = discard_qkv && !qkv_part && (reinterpret_cast<uintptr_t>(qkv) & 127) == 0;
     launch_pdl(kern, dim3(T), dim3(32 * vwarps), 0, s, qkv, nh, nkv, v_from_k, qw, kw, inv_freq, pos0, eps, q, k, v,
-               qkv_part, splits, discard);
+               qkv_part, splits);
     return;
   }
   if (qkv_part) {  // other head dims: the partials summed into qkv first (qkv is then written, not just read)
