@@ -341,8 +341,10 @@ int run_bench(const BenchArgs& args) {
     const double launch_us = host_times.graph_launch_us.empty() ? 0.0 : median(host_times.graph_launch_us);
     const double head_us = host_times.head_launch_us.empty() ? 0.0 : median(host_times.head_launch_us);
     if (!args.experts_timeline.empty() && ctx == contexts.front()) {
-      // One more step with the fused expert kernel's tile timeline on. The temperature differs from the timed steps'
-      // (exactly representable), so the step's graph is captured afresh with the timeline's kernel instantiation.
+      // One more step with the fused expert kernel's tile timeline on; the backend's graphs are keyed by whether a
+      // timeline records, so the step is captured afresh with the timeline's kernel instantiation. (Until session 32
+      // a new temperature forced that re-capture, which the temperature on the device had quietly stopped doing:
+      // the file came out empty.)
       cuda::experts_timeline_begin(size_t(1) << 20);
       DenoiseRequest tl_req = req;
       tl_req.temperature = 0.8125f;

@@ -670,12 +670,14 @@ class CudaBackend final : public Backend {
       }
       return;
     }
-    if (!graph_exec_ || graph_rows_ != L || graph_kv_ != kv_len_ || graph_two_tiles_ != two_tiles_now_) {
+    const bool timeline = cuda::experts_timeline_recording();
+    if (!graph_exec_ || graph_rows_ != L || graph_kv_ != kv_len_ || graph_two_tiles_ != two_tiles_now_ ||
+        graph_timeline_ != timeline) {
       graph_rows_ = -1;  // stays invalid if the capture below throws
       capture_graph(graph_exec_, [&] {
         for (int l = 0; l < cfg_.num_layers; ++l) layer(l, Pass::Decoder, L);
       });
-      graph_rows_ = L, graph_kv_ = kv_len_, graph_two_tiles_ = two_tiles_now_;
+      graph_rows_ = L, graph_kv_ = kv_len_, graph_two_tiles_ = two_tiles_now_, graph_timeline_ = timeline;
     }
     CUDA_CHECK(cudaGraphLaunch(graph_exec_, stream_));
   }
@@ -835,7 +837,7 @@ class CudaBackend final : public Backend {
     const float t_key = opt_.device_temperature
                             ? float(cuda::softcap_row_stats_variant(cfg_.final_logit_softcapping, req.temperature))
                             : req.temperature;
-    const StepGraphKey key{L, kv_len_, t_key};
+    const StepGraphKey key{L, kv_len_, t_key, cuda::experts_timeline_recording()};
     *host_temperature_ = req.temperature;  // the stream is idle (stage_ids synchronized it)
     // CudaOptions::split_step_head: the SC GEMM as a graph of its own, launched first (its key: the rows; it reads
     // the previous step's probs and writes the SC signal, nothing else)
@@ -1325,6 +1327,7 @@ class CudaBackend final : public Backend {
     int rows = -1;
     int64_t kv_len = -1;
     float temperature = 0.0f;  // with CudaOptions::device_temperature: softcap_row_stats_variant
+    bool timeline = false;     // cuda::experts_timeline_recording() at capture
     bool operator==(const StepGraphKey&) const = default;
   };
   struct StepGraph {
@@ -1338,6 +1341,7 @@ class CudaBackend final : public Backend {
   int graph_rows_ = -1;
   int64_t graph_kv_ = -1;
   bool graph_two_tiles_ = false;
+  bool graph_timeline_ = false;  // captured with the expert tile timeline's kernels (cuda::experts_timeline_begin)
   // The fused expert launch's token tiles in the passes being enqueued (CudaOptions::expert_two_token_tiles, or per
   // step: choose_token_tiles), and what chooses them: each layer's count of experts past 32 rows (mapped).
   bool two_tiles_now_ = false;

@@ -365,6 +365,9 @@ struct ExpertsTimelineRecord {
 // `capacity` in all); end synchronizes the device, returns them and stops recording.
 void experts_timeline_begin(size_t capacity);
 std::vector<ExpertsTimelineRecord> experts_timeline_end();
+// Whether a timeline is recording (between begin and end): a captured graph holds the kernel instantiation of its
+// capture time, so graphs are keyed by this too.
+bool experts_timeline_recording();
 
 // The experts' output rows y (the down projections, before the combine weighs and sums them): f32, or bf16 where
 // the engine asks for it (denoise passes: the expert launch writes, and the combine reads, half the bytes; HF's bf16

@@ -940,6 +940,7 @@ void experts_timeline_begin(size_t capacity) {
   CUDA_CHECK(cudaMemcpyToSymbol(g_etl_cap, &cap, sizeof cap));
   CUDA_CHECK(cudaMemcpyToSymbol(g_etl, &g_etl_buf, sizeof g_etl_buf));
 }
+bool experts_timeline_recording() { return g_etl_buf != nullptr; }
 std::vector<ExpertsTimelineRecord> experts_timeline_end() {
   if (!g_etl_buf) return {};
   CUDA_CHECK(cudaDeviceSynchronize());
