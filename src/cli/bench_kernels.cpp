@@ -200,7 +200,7 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
         [=, &gemm](cudaStream_t st) { cuda::gemm_attention(gemm, ga, T, n_keys, st); });
     if (!sliding)  // CudaOptions::discard_attention_scores: each score line dropped from L2 once the softmax read it
       add("attention GEMMs" + tag + ", scores discarded", "as above, S's lines discarded by the softmax",
-          2.0 * keys * nkv * D * 2 + 10.0 * nh * T * n_cols, 4.0 * T * nh * keys * D,
+          2.0 * keys * nkv * D * 2 + 12.0 * nh * T * n_cols, 4.0 * T * nh * keys * D,
           [=, &gemm](cudaStream_t st) { cuda::gemm_attention(gemm, ga, T, n_keys, st, /*discard_scores=*/true); });
     add("softmax_rows_to_bf16" + tag, std::to_string(nh * T) + " rows x " + std::to_string(n_keys),
         6.0 * nh * T * n_cols, 0,
