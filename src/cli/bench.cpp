@@ -56,7 +56,6 @@ struct BenchArgs {
   int route_tokens = 2;  // cuda::set_route_tokens_per_block
   int expert_rows_l2 = 7;  // CudaOptions::expert_rows_l2
   bool keep_attn_scores = false;  // CudaOptions::discard_attention_scores = false
-  bool discard_attn_probs = false;  // CudaOptions::discard_attention_probs
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
   bool one_step_graph = false;  // CudaOptions::split_step_head off
   bool temperature_in_key = false;  // CudaOptions::device_temperature off
@@ -210,7 +209,6 @@ int run_bench(const BenchArgs& args) {
   opt.bf16_expert_rows = !args.f32_expert_rows;
   opt.expert_rows_l2 = args.expert_rows_l2;
   opt.discard_attention_scores = !args.keep_attn_scores;
-  opt.discard_attention_probs = args.discard_attn_probs;
   opt.dense_tma = args.dense_tma;
   opt.dense_tma_cluster = args.dense_tma_cluster;
   opt.graph_memset_kernels = !args.graph_memset_nodes;
@@ -302,7 +300,6 @@ int run_bench(const BenchArgs& args) {
   out["route_tokens_per_block"] = args.route_tokens;
   out["expert_rows_l2"] = args.expert_rows_l2;
   out["discard_attention_scores"] = !args.keep_attn_scores;
-  out["discard_attention_probs"] = args.discard_attn_probs;
   out["dense_mlp_priority"] = opt.dense_mlp_priority;
   out["tma_grid"] = args.tma_grid;
   out["tma_stages"] = args.tma_stages;
@@ -624,9 +621,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--keep-attn-scores", a->keep_attn_scores,
                                     "A/B: the full layers' denoise softmax leaves the f32 scores in L2 instead of "
                                     "dropping each line once read (CudaOptions::discard_attention_scores = false)");
-                       sub.add_flag("--discard-attn-probs", a->discard_attn_probs,
-                                    "A/B: the full layers' denoise attention drops P's lines from L2 after the PV "
-                                    "GEMM (CudaOptions::discard_attention_probs)");
                        sub.add_flag("--router-tc", a->router_tc,
                                     "A/B: the router's partial logits as 3xTF32 on the tensor cores instead of f32 "
                                     "FMAs (cuda::set_router_tensor_cores)");

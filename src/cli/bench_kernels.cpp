@@ -202,11 +202,6 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
       add("attention GEMMs" + tag + ", scores discarded", "as above, S's lines discarded by the softmax",
           2.0 * keys * nkv * D * 2 + 12.0 * nh * T * n_cols, 4.0 * T * nh * keys * D,
           [=, &gemm](cudaStream_t st) { cuda::gemm_attention(gemm, ga, T, n_keys, st, /*discard_scores=*/true); });
-    if (!sliding)  // CudaOptions::discard_attention_probs: P's lines dropped after the PV GEMM, too
-      add("attention GEMMs" + tag + ", scores and probs discarded", "as above, P's lines discarded after PV",
-          2.0 * keys * nkv * D * 2 + 12.0 * nh * T * n_cols, 4.0 * T * nh * keys * D, [=, &gemm](cudaStream_t st) {
-            cuda::gemm_attention(gemm, ga, T, n_keys, st, /*discard_scores=*/true, /*discard_probs=*/true);
-          });
     add("softmax_rows_to_bf16" + tag, std::to_string(nh * T) + " rows x " + std::to_string(n_keys),
         6.0 * nh * T * n_cols, 0,
         [=](cudaStream_t st) { cuda::softmax_rows_to_bf16(S, n_cols, T, nh, T, n_keys, n_cols, P, st); });

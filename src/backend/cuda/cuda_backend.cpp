@@ -979,8 +979,7 @@ class CudaBackend final : public Backend {
                         s_.q, kn, vn, stream_, qkv_splits > 0 ? s_.dense_part : nullptr, qkv_splits);
     mark(kStAttnProj);
     if (gemm_attn) {
-      cuda::gemm_attention(*gemm_, gemm_attention_args(L), T, int(n_keys), stream_, opt_.discard_attention_scores,
-                           opt_.discard_attention_probs);
+      cuda::gemm_attention(*gemm_, gemm_attention_args(L), T, int(n_keys), stream_, opt_.discard_attention_scores);
     } else {
       cuda::AttentionArgs a{};
       a.q = s_.q;

@@ -144,10 +144,6 @@ struct CudaOptions {
   // way (cuda::set_attention_discard_partials) 4K step -0.09 ms, the partials alone -0.04. A/B: bench
   // --keep-attn-scores.
   bool discard_attention_scores = true;
-  // ... and a launch after the PV GEMM drops P's lines (bf16, 35 MB a full layer at kv 4096) once read
-  // (cuda::gemm_attention's discard_probs), before the o_proj GEMM streams its weights. The same results either way.
-  // A/B: bench --discard-attn-probs.
-  bool discard_attention_probs = false;
   // Denoise passes run the sliding layers' qkv projection and every layer's o_proj on our Hopper GEMM
   // (kernels_dense_tma.cu: split-K f32 partials that qkv_norm_rope / add_rms_norm_pre_ffn add up as they read them,
   // launched with PDL so the weight stream starts during the predecessor's tail) instead of cuBLASLt, which cannot

@@ -229,11 +229,8 @@ size_t gemm_attention_pointer_count(int nh);
 // Writes a's batch pointers (they depend only on the buffers) into a.ptrs; synchronizes s.
 void set_gemm_attention_pointers(const GemmAttentionArgs& a, cudaStream_t s);
 // Attention of T queries over keys [0, n) on gemm's stream s (three launches: S GEMM, softmax, PV GEMM).
-// discard_scores: softmax_rows_to_bf16's below (a.S is left undefined). discard_probs (where a.P is 128-byte aligned
-// and a.ld % 64 == 0; ignored otherwise): a fourth launch drops P's lines from L2 after the PV GEMM (a.P is left
-// undefined). The output is the same bits either way.
-void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaStream_t s, bool discard_scores = false,
-                    bool discard_probs = false);
+// discard_scores: softmax_rows_to_bf16's below (a.S is left undefined).
+void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaStream_t s, bool discard_scores = false);
 // P[r, c] = bf16(exp(S[r, c] - max) / sum) for c < n (max, sum over c < n in f32), 0 for n <= c < n_cols; row r of
 // group g at S + (g group_rows + r) ld (P likewise), r < rows. n_cols % 4 == 0, ld % 8 == 0.
 // discard_scores (where S is 128-byte aligned, ld % 32 == 0 and n_cols % 32 == 0; ignored otherwise): each row's

@@ -15,7 +15,6 @@
 // Numerics: S in f32, the row max and sum over the whole row in f32, P = bf16(exp(s - max) / sum) (normalized before
 // the rounding, as HF's eager path rounds its f32 softmax), O = P V accumulated in f32 and rounded to bf16 once.
 // Deterministic: fixed reduction trees, cuBLASLt plans without atomics (no split-K reduced in bf16, gemm.cpp).
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -154,23 +153,6 @@ __global__ void __launch_bounds__(kLongThreads) softmax_rows_long_k(const float*
   }
 }
 
-// P's lines dropped from L2 once the PV GEMM has read them (discard.global.L2: never written back). P is dead then,
-// and at kv 4096 a full layer's P is 35 MB: its dirty lines would otherwise be written back while the o_proj GEMM
-// streams its 46 MB of weights and the expert launch after it streams 1.5 GB. A grid-stride loop over the rows'
-// 128-byte lines (64 bf16 each; the caller guarantees 128-byte aligned rows and n_cols % 64 == 0).
-__global__ void discard_probs_k(const bf16* P, int ld, int T, int head_rows, int n_cols, int nh) {
-  pdl_wait();  // the PV GEMM has completed: no read of P is outstanding
-  pdl_trigger();
-  const int lines_per_row = n_cols / 64;
-  const size_t n_lines = size_t(nh) * size_t(T) * size_t(lines_per_row);
-  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_lines; i += size_t(gridDim.x) * blockDim.x) {
-    const size_t row = i / size_t(lines_per_row);
-    const int c = int(i - row * size_t(lines_per_row));
-    const size_t h = row / size_t(T), t = row - h * size_t(T);
-    discard_l2_line(P + (h * size_t(head_rows) + t) * size_t(ld) + 64 * size_t(c));
-  }
-}
-
 bool g_softmax_reverse = true;  // set_softmax_rows_reverse
 
 }  // namespace
@@ -224,8 +206,7 @@ int gemm_attention_key_columns(int n) {
   return (n + kGemmAttentionKeyAlign - 1) / kGemmAttentionKeyAlign * kGemmAttentionKeyAlign;
 }
 
-void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaStream_t s, bool discard_scores,
-                    bool discard_probs) {
+void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaStream_t s, bool discard_scores) {
   const int n_cols = gemm_attention_key_columns(n);
   if (T < 1 || T > a.head_rows || n < 1 || n_cols > a.ld || a.nh % a.nkv || a.ld % 8)
     throw_cuda_error("gemm_attention", "bad shape (needs 1 <= T <= head_rows, 1 <= n, n rounded up to 64 <= ld, "
@@ -239,12 +220,6 @@ void gemm_attention(Gemm& gemm, const GemmAttentionArgs& a, int T, int n, cudaSt
   // column-major O_h^T [D, T] = (V_h as [D, n_cols]) . (P_h as [n_cols, T])
   gemm.batched_pointers(false, a.D, T, n_cols, p + 3 * nh, Dt::BF16, kv_ld, p + 4 * nh, Dt::BF16, a.ld, p + 5 * nh,
                         Dt::BF16, q_ld, nh, s);
-  if (discard_probs && (reinterpret_cast<uintptr_t>(a.P) & 127) == 0 && a.ld % 64 == 0) {
-    const int lines = nh * T * (n_cols / 64), threads = 256;
-    const int blocks = std::max(1, std::min((lines + threads - 1) / threads, 2 * sm_count()));
-    launch_pdl(discard_probs_k, dim3(blocks), dim3(threads), 0, s, static_cast<const bf16*>(a.P), a.ld, T,
-               a.head_rows, n_cols, nh);
-  }
 }
 
 }  // namespace dg::cuda
