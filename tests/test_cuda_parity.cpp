@@ -17,6 +17,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <tuple>
 #include <utility>
 #include <nlohmann/json.hpp>
 
@@ -508,21 +509,25 @@ TEST(CudaParity, SharedWeightsBackendsIndependent) {
 // with eager launches around it gives: a whole generation, then single steps over three SC modes, three temperatures
 // and two KV lengths (every change of key re-captures; a repeat replays), with the temperature read from device
 // memory (one graph for all of them) and as a launch argument (a graph per temperature), and with a PreviousStep
-// step's SC GEMM as a graph of its own launched ahead of the rest (split_step_head) or inside the one graph.
+// step's SC GEMM as a graph of its own launched ahead of the rest (split_step_head) or inside the one graph, and
+// queued behind the previous step (sc_head_ahead: every single step below says more steps follow, so the head is
+// used by the PreviousStep steps and left unused by the CanvasEmbedding step and the prefill).
 TEST(CudaParity, WholeStepGraphMatchesLayerGraph) {
   auto info = cuda::query_device(0);
   if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;
   auto [model, o, prompt, layers] = conditioned_cuda();
   layers.whole_step_graph = false;
-  const std::pair<bool, bool> variants[] = {{true, true}, {true, false}, {false, true}};
-  for (const auto& [device_temperature, split_step_head] : variants) {
+  const std::tuple<bool, bool, bool> variants[] = {
+      {true, true, true}, {true, true, false}, {true, false, false}, {false, true, true}};
+  for (const auto& [device_temperature, split_step_head, sc_head_ahead] : variants) {
     SCOPED_TRACE(::testing::Message() << "device_temperature " << device_temperature << ", split_step_head "
-                                      << split_step_head);
+                                      << split_step_head << ", sc_head_ahead " << sc_head_ahead);
     CudaOptions whole = layers;
     whole.whole_step_graph = true;
     // on: one captured step for every temperature below (they differ from step to step, as in the block loop)
     whole.device_temperature = device_temperature;
     whole.split_step_head = split_step_head;
+    whole.sc_head_ahead = sc_head_ahead;
     auto ga = make_cuda_backend(*model, layers), gb = make_cuda_backend(*model, whole);
     const auto gen_a = diffusion::generate(*ga, prompt, o);
     const auto gen_b = diffusion::generate(*gb, prompt, o);
@@ -549,6 +554,7 @@ TEST(CudaParity, WholeStepGraphMatchesLayerGraph) {
         req.canvas = canvas;
         req.temperature = steps[i].temperature;
         req.self_condition = steps[i].sc;
+        req.more_steps = true;
         DenoiseResult x, y;
         ga->denoise(req, x);
         gb->denoise(req, y);

@@ -35,6 +35,10 @@ struct DenoiseRequest {
   SelfCondition self_condition = SelfCondition::None;
   std::span<const float> sc_logits;  // for External only
   bool want_logits = false;          // also return the raw softcapped logits [L, V]
+  // A hint: the caller expects to denoise this canvas again, with SelfCondition::PreviousStep, right after this step
+  // (the block loop sets it for every step but a block's last). A backend may start that step's work that depends
+  // only on this step's outputs before returning. A wrong hint costs time, never results.
+  bool more_steps = false;
 };
 
 struct DenoiseResult {

@@ -58,6 +58,7 @@ struct BenchArgs {
   bool keep_attn_scores = false;  // CudaOptions::discard_attention_scores = false
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
   bool one_step_graph = false;  // CudaOptions::split_step_head off
+  bool no_sc_ahead = false;     // CudaOptions::sc_head_ahead off
   bool temperature_in_key = false;  // CudaOptions::device_temperature off
   bool first_step = false;          // also time a canvas's first step after prefills
   int canvas_distinct = 0;          // > 0: the timed canvas holds this many distinct tokens (0: uniform random)
@@ -178,6 +179,7 @@ int run_bench(const BenchArgs& args) {
   opt.cuda_graphs = !no_graphs;
   opt.whole_step_graph = !args.layer_graph;
   opt.split_step_head = !args.one_step_graph;
+  opt.sc_head_ahead = !args.no_sc_ahead;
   opt.device_temperature = !args.temperature_in_key;
   opt.padded_experts = !args.grouped_experts;
   opt.overlap_dense_mlp = !args.no_overlap;
@@ -251,6 +253,7 @@ int run_bench(const BenchArgs& args) {
   out["cuda_graphs"] = !no_graphs;
   out["whole_step_graph"] = !args.layer_graph;
   out["split_step_head"] = !args.one_step_graph;
+  out["sc_head_ahead"] = !args.no_sc_ahead;
   out["device_temperature"] = !args.temperature_in_key;
   out["canvas_distinct"] = args.canvas_distinct;
   out["graph_memset_kernels"] = !args.graph_memset_nodes;
@@ -328,6 +331,9 @@ int run_bench(const BenchArgs& args) {
       for (auto& id : canvas) id = canvas[size_t(uint32_t(id) % uint32_t(args.canvas_distinct))];
     req.canvas = canvas;
     req.temperature = 0.8f;
+    // The steps of one block, as the block loop runs them: each but the last says another step follows
+    // (DenoiseRequest::more_steps; CudaOptions::sc_head_ahead queues the next step's SC GEMM behind it).
+    req.more_steps = true;
     DenoiseResult res;
     be->denoise(req, res);  // first step: no SC
     req.self_condition = SelfCondition::PreviousStep;
@@ -335,7 +341,10 @@ int run_bench(const BenchArgs& args) {
     std::vector<double> t;
     host_times.reset();
     tile_stats.reset();
-    for (int r = 0; r < args.reps; ++r) t.push_back(timer.ms([&] { be->denoise(req, res); }));
+    for (int r = 0; r < args.reps; ++r) {
+      req.more_steps = r + 1 < args.reps;
+      t.push_back(timer.ms([&] { be->denoise(req, res); }));
+    }
     const CudaExpertTileStats timed_tiles = tile_stats;
     const double step = median(t);
     const double launch_us = host_times.graph_launch_us.empty() ? 0.0 : median(host_times.graph_launch_us);
@@ -592,6 +601,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--graph-memset-nodes", a->graph_memset_nodes,
                                     "A/B: keep cuBLASLt's memset nodes in the captured graphs instead of kernel nodes "
                                     "(CudaOptions::graph_memset_kernels = false)");
+                       sub.add_flag("--no-sc-ahead", a->no_sc_ahead,
+                                    "A/B: a step's SC GEMM launched at its own start instead of queued behind the "
+                                    "previous step (CudaOptions::sc_head_ahead = false)");
                        sub.add_flag("--layer-graph", a->layer_graph,
                                     "A/B: only the layers of a denoise step as one CUDA graph, the rest launched "
                                     "from the host (CudaOptions::whole_step_graph = false)");

@@ -65,6 +65,7 @@ BlockOutcome run_block(Backend& backend, int L, Rng& rng, const GenerationOption
     req.self_condition = k > 1 ? SelfCondition::PreviousStep
                                : (o.first_step_sc ? SelfCondition::CanvasEmbedding : SelfCondition::None);
     req.want_logits = o.denoiser == Denoiser::Categorical;
+    req.more_steps = k < N;  // an early stop (StopTracker) after this step makes the hint wrong: time, not results
     backend.denoise(req, res);
     DG_CHECK(int(res.rows.size()) == L, "backend {} returned {} rows for a canvas of {}", backend.name(),
              res.rows.size(), L);

@@ -370,6 +370,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaEventCreateWithFlags(&overflowed_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&step_fork_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&temperature_ready_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&step_done_, cudaEventDisableTiming));
     tm_ = std::max(opt.prefill_chunk, cfg_.canvas_length);
     if (opt.sliding_rewind < 0) fail("CudaOptions::sliding_rewind must be >= 0");
     if (opt.tma_weight_l2_promotion != 0 && opt.tma_weight_l2_promotion != 128 && opt.tma_weight_l2_promotion != 256)
@@ -465,6 +466,7 @@ class CudaBackend final : public Backend {
     cudaEventDestroy(overflowed_);
     cudaEventDestroy(step_fork_);
     cudaEventDestroy(temperature_ready_);
+    cudaEventDestroy(step_done_);
     cudaStreamDestroy(overflow_);
     cudaStreamDestroy(side_);
     cudaFree(arena_.base);
@@ -523,6 +525,9 @@ class CudaBackend final : public Backend {
 
   void prefill(std::span<const int32_t> ids) override {
     if (ids.empty()) return;
+    // A queued SC head (CudaOptions::sc_head_ahead) is left unused: the next PreviousStep step runs its own. (embed's
+    // stage_ids waits for the whole stream.)
+    sc_head_pending_ = false;
     if (kv_len_ + int64_t(ids.size()) > opt_.max_context)
       fail("prefill of {} tokens would bring the context to {} positions; the CUDA backend was sized for {} "
            "(CudaOptions::max_context / --max-context)", ids.size(), kv_len_ + int64_t(ids.size()), opt_.max_context);
@@ -556,18 +561,24 @@ class CudaBackend final : public Backend {
     check_ids(req.canvas);
     timing_ = opt_.stage_times && opt_.stage_times->enabled;
     n_marks_ = 0;
+    // The previous step queued this step's SC GEMM behind it (CudaOptions::sc_head_ahead): it serves a PreviousStep
+    // step of the same rows; any other call leaves its output unused, and so does a timed step (its stage marks
+    // bracket the GEMM it runs itself).
+    const bool head_ready =
+        sc_head_pending_ && !timing_ && req.self_condition == SelfCondition::PreviousStep && sc_head_rows_ == L;
     if (req.self_condition == SelfCondition::PreviousStep && prev_rows_ != L)
       fail("denoise: SelfCondition::PreviousStep needs a previous denoise of the same canvas length ({} vs {})",
            prev_rows_, L);
     if (req.self_condition == SelfCondition::External && int64_t(req.sc_logits.size()) != int64_t(L) * V)
       fail("denoise: sc_logits has {} values, expected {} x {}", req.sc_logits.size(), L, V);
-    stage_ids(req.canvas);
+    stage_ids(req.canvas, /*behind_head=*/head_ready);
+    sc_head_pending_ = false;
     prev_rows_ = 0;  // the logits buffer is about to hold this step's logits (the SC input, if any, is read first)
     choose_token_tiles(req);
     if (whole_step_graph_applies(req)) {
-      launch_step_graph(req, L);
+      launch_step_graph(req, L, head_ready);
     } else {
-      enqueue_denoise(req, L, /*capturing=*/false);
+      enqueue_denoise(req, L, /*capturing=*/false, /*sc_ahead=*/head_ready);
     }
     prev_sc_sparse_ok_ = false;
     if (req.want_logits) {
@@ -576,7 +587,7 @@ class CudaBackend final : public Backend {
     } else {
       out.logits.clear();
     }
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    wait_for_step();
     if (timing_) collect_marks();
     timing_ = false;
     prev_heavy_ = std::accumulate(host_heavy_, host_heavy_ + cfg_.num_layers, 0);
@@ -609,7 +620,7 @@ class CudaBackend final : public Backend {
   void set_layer_trace(LayerTrace* trace) override { trace_ = trace; }
 
   // The fused expert launch's token tiles for this denoise step (CudaOptions::auto_two_token_tiles_heavy), from the
-  // previous denoise step's heavy experts. The stream is idle (stage_ids): the tally is cleared for this step's
+  // previous denoise step's heavy experts. The previous step is done (stage_ids): the tally is cleared for this step's
   // assignment kernels to fill (a pass that does not run them leaves 0).
   void choose_token_tiles(const DenoiseRequest& req) {
     const bool previous = req.self_condition == SelfCondition::PreviousStep;
@@ -829,7 +840,8 @@ class CudaBackend final : public Backend {
   // look ~5x slower than it is). One executable graph per SC mode (their topologies differ: a canvas's first
   // step and its later ones would otherwise re-instantiate each other's), captured per (rows, kv length, temperature)
   // and patched in place as decoder_layers does.
-  void launch_step_graph(const DenoiseRequest& req, int L) {
+  // head_ready: this step's SC GEMM is already on the stream (queued by the previous step: CudaOptions::sc_head_ahead).
+  void launch_step_graph(const DenoiseRequest& req, int L, bool head_ready) {
     const size_t mode = size_t(req.self_condition);
     if (mode >= kSelfConditionModes) fail("denoise: unknown self-conditioning mode {}", int(mode));
     StepGraph& g = step_graphs_[2 * mode + (two_tiles_now_ ? 1 : 0)];
@@ -838,7 +850,7 @@ class CudaBackend final : public Backend {
                             ? float(cuda::softcap_row_stats_variant(cfg_.final_logit_softcapping, req.temperature))
                             : req.temperature;
     const StepGraphKey key{L, kv_len_, t_key, cuda::experts_timeline_recording()};
-    *host_temperature_ = req.temperature;  // the stream is idle (stage_ids synchronized it)
+    *host_temperature_ = req.temperature;  // the previous step's graph, its reader, is done (stage_ids)
     // CudaOptions::split_step_head: the SC GEMM as a graph of its own, launched first (its key: the rows; it reads
     // the previous step's probs and writes the SC signal, nothing else)
     const bool split = opt_.split_step_head && req.self_condition == SelfCondition::PreviousStep;
@@ -858,8 +870,24 @@ class CudaBackend final : public Backend {
       if (us) us->push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     };
     CudaHostTimes* ht = opt_.host_times;
-    if (split) launch(sc_head_.exec, ht ? &ht->head_launch_us : nullptr);
+    if (split && !head_ready) launch(sc_head_.exec, ht ? &ht->head_launch_us : nullptr);
     launch(g.exec, ht ? &ht->graph_launch_us : nullptr);
+    // CudaOptions::sc_head_ahead: the next step's SC GEMM behind this step (it reads only the probs this step writes),
+    // once its graph exists for these rows (captured by a PreviousStep step: never in the middle of queued work). The
+    // host then waits for step_done_ only (wait_for_step, stage_ids).
+    if (opt_.sc_head_ahead && opt_.split_step_head && req.more_steps && sc_head_.exec && sc_head_.key.rows == L) {
+      CUDA_CHECK(cudaEventRecord(step_done_, stream_));
+      launch(sc_head_.exec, ht ? &ht->head_launch_us : nullptr);
+      sc_head_pending_ = true;
+      sc_head_rows_ = L;
+    }
+  }
+  // The end of a denoise call: its own work done (not a queued SC head behind it).
+  void wait_for_step() {
+    if (sc_head_pending_)
+      CUDA_CHECK(cudaEventSynchronize(step_done_));
+    else
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
   void embed(std::span<const int32_t> ids) {
@@ -868,8 +896,14 @@ class CudaBackend final : public Backend {
   }
   // ids into the pinned buffer, once the previous copy out of it has completed (the buffer is reused by the next
   // chunk or step; the sync also keeps the start mark of a timed step from landing behind queued work).
-  void stage_ids(std::span<const int32_t> ids) {
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  // behind_head: a step's SC GEMM is queued (CudaOptions::sc_head_ahead) and this step uses it; the GEMM does not
+  // read host_ids_, so only the step before it must be done (step_done_). Otherwise the whole stream: an abandoned
+  // head is waited for, so that its graph may be re-captured.
+  void stage_ids(std::span<const int32_t> ids, bool behind_head = false) {
+    if (behind_head)
+      CUDA_CHECK(cudaEventSynchronize(step_done_));
+    else
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
     mark(-1);  // start of a timed denoise step (no-op otherwise)
     std::memcpy(host_ids_, ids.data(), ids.size() * 4);
   }
@@ -1311,6 +1345,11 @@ class CudaBackend final : public Backend {
   float* host_temperature_ = nullptr;  // mapped: the captured step's temperature (CudaOptions::device_temperature)
   float* mapped_temperature_ = nullptr;
   cudaEvent_t step_fork_ = nullptr, temperature_ready_ = nullptr;
+  // CudaOptions::sc_head_ahead: recorded between a step's graph and the next step's SC GEMM queued behind it
+  // (sc_head_pending_, for sc_head_rows_ rows)
+  cudaEvent_t step_done_ = nullptr;
+  bool sc_head_pending_ = false;
+  int sc_head_rows_ = 0;
   cuda::DeviceRowStats* host_stats_ = nullptr;
   int32_t* mapped_ids_ = nullptr;  // the device's addresses of the two pinned buffers above
   cuda::DeviceRowStats* mapped_stats_ = nullptr;

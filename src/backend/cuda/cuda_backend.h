@@ -86,6 +86,13 @@ struct CudaOptions {
   // one-GEMM head starts after a call of a few us, and the body's long call runs while the head computes. The same
   // launches in the same order, so bitwise the same results. A/B: bench --one-step-graph.
   bool split_step_head = true;
+  // With split_step_head: a step whose request says more steps follow (DenoiseRequest::more_steps) launches the next
+  // step's SC GEMM graph right behind its own graph, and the host waits only for its own graph: the GEMM (it reads
+  // only this step's probs) runs while the host samples, stages the next canvas and launches the next step, so the GPU
+  // does not sit idle between steps. A next call that is not a PreviousStep step of the same rows leaves the GEMM's
+  // output unused (~0.5 ms of GPU time at the full shape, spent before that call's work starts). The same launches in
+  // the same stream order: bitwise the same results. A/B: bench --no-sc-ahead.
+  bool sc_head_ahead = true;
   // With whole_step_graph: the step's temperature is read from device memory when the graph runs (copied from mapped
   // pinned memory on a side branch at the graph's start), so one captured step serves every temperature. Without it
   // the temperature is a launch argument and part of the graph's key: the block loop's schedule changes T every step,
