@@ -511,7 +511,9 @@ TEST(CudaParity, SharedWeightsBackendsIndependent) {
 // memory (one graph for all of them) and as a launch argument (a graph per temperature), and with a PreviousStep
 // step's SC GEMM as a graph of its own launched ahead of the rest (split_step_head) or inside the one graph, and
 // queued behind the previous step (sc_head_ahead: every single step below says more steps follow, so the head is
-// used by the PreviousStep steps and left unused by the CanvasEmbedding step and the prefill).
+// used by the PreviousStep steps and left unused by the CanvasEmbedding step and the prefill). The second round's
+// prefill captures every step graph again for its KV length while it runs (prewarm_step_graphs), so those steps
+// replay graphs captured in the middle of queued work.
 TEST(CudaParity, WholeStepGraphMatchesLayerGraph) {
   auto info = cuda::query_device(0);
   if (!info.available) GTEST_SKIP() << "no GPU: " << info.reason;

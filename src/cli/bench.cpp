@@ -59,6 +59,7 @@ struct BenchArgs {
   bool layer_graph = false;  // CudaOptions::whole_step_graph off
   bool one_step_graph = false;  // CudaOptions::split_step_head off
   bool no_sc_ahead = false;     // CudaOptions::sc_head_ahead off
+  bool no_graph_prewarm = false;  // CudaOptions::prewarm_step_graphs off
   bool temperature_in_key = false;  // CudaOptions::device_temperature off
   bool first_step = false;          // also time a canvas's first step after prefills
   int canvas_distinct = 0;          // > 0: the timed canvas holds this many distinct tokens (0: uniform random)
@@ -180,6 +181,7 @@ int run_bench(const BenchArgs& args) {
   opt.whole_step_graph = !args.layer_graph;
   opt.split_step_head = !args.one_step_graph;
   opt.sc_head_ahead = !args.no_sc_ahead;
+  opt.prewarm_step_graphs = !args.no_graph_prewarm;
   opt.device_temperature = !args.temperature_in_key;
   opt.padded_experts = !args.grouped_experts;
   opt.overlap_dense_mlp = !args.no_overlap;
@@ -254,6 +256,7 @@ int run_bench(const BenchArgs& args) {
   out["whole_step_graph"] = !args.layer_graph;
   out["split_step_head"] = !args.one_step_graph;
   out["sc_head_ahead"] = !args.no_sc_ahead;
+  out["prewarm_step_graphs"] = !args.no_graph_prewarm;
   out["device_temperature"] = !args.temperature_in_key;
   out["canvas_distinct"] = args.canvas_distinct;
   out["graph_memset_kernels"] = !args.graph_memset_nodes;
@@ -604,6 +607,9 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--no-sc-ahead", a->no_sc_ahead,
                                     "A/B: a step's SC GEMM launched at its own start instead of queued behind the "
                                     "previous step (CudaOptions::sc_head_ahead = false)");
+                       sub.add_flag("--no-graph-prewarm", a->no_graph_prewarm,
+                                    "A/B: a prefill leaves the step graphs for the next denoise step to capture at "
+                                    "the new KV length (CudaOptions::prewarm_step_graphs = false)");
                        sub.add_flag("--layer-graph", a->layer_graph,
                                     "A/B: only the layers of a denoise step as one CUDA graph, the rest launched "
                                     "from the host (CudaOptions::whole_step_graph = false)");

@@ -547,7 +547,36 @@ class CudaBackend final : public Backend {
       kv_len_ += T;
       done += size_t(T);
     }
+    if (!trace_) prewarm_step_graphs();
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  // CudaOptions::prewarm_step_graphs: while the prefill just queued runs on the GPU, every whole-step graph captured
+  // before is captured again for the new KV length (same rows, SC mode, token tiles, temperature variant), so that
+  // the next denoise steps find their graphs instead of capturing them with the GPU idle (~2.3 ms each on an H100
+  // host: a block's first two steps after its commit). Capture only records: the queued prefill keeps running.
+  void prewarm_step_graphs() {
+    if (!opt_.prewarm_step_graphs || !opt_.whole_step_graph || !opt_.cuda_graphs) return;
+    const bool tiles = two_tiles_now_;
+    for (size_t i = 0; i < step_graphs_.size(); ++i) {
+      StepGraph& g = step_graphs_[i];
+      if (!g.exec || g.key.rows <= 0 || g.key.kv_len == kv_len_ || g.key.timeline || i / 2 >= kSelfConditionModes ||
+          kv_len_ + g.key.rows > opt_.max_context)
+        continue;
+      DenoiseRequest req;
+      req.self_condition = SelfCondition(i / 2);
+      req.temperature = g.temperature;
+      two_tiles_now_ = (i % 2) != 0;
+      StepGraphKey key = g.key;
+      key.kv_len = kv_len_;
+      try {
+        capture_step_graph(g, key, req, g.key.rows);
+      } catch (...) {
+        two_tiles_now_ = tiles;
+        throw;
+      }
+    }
+    two_tiles_now_ = tiles;
   }
 
   void denoise(const DenoiseRequest& req, DenoiseResult& out) override {
@@ -828,6 +857,19 @@ class CudaBackend final : public Backend {
     mark(kStRowStats);
   }
 
+  // A captured whole denoise step (launch_step_graph) and what it was captured for.
+  struct StepGraphKey {
+    int rows = -1;
+    int64_t kv_len = -1;
+    float temperature = 0.0f;  // with CudaOptions::device_temperature: softcap_row_stats_variant
+    bool timeline = false;     // cuda::experts_timeline_recording() at capture
+    bool operator==(const StepGraphKey&) const = default;
+  };
+  struct StepGraph {
+    cudaGraphExec_t exec = nullptr;
+    StepGraphKey key;
+    float temperature = 1.0f;  // the request's temperature at capture (prewarm_step_graphs captures with it again)
+  };
   // CudaOptions::whole_step_graph: the steps whose launches depend only on (rows, kv length, temperature, SC mode)
   // and the device buffers: no trace or stage timing, no logits for the host, no sparse SC (its path is chosen per
   // step on the host), no caller-provided SC logits.
@@ -859,11 +901,7 @@ class CudaBackend final : public Backend {
       capture_graph(sc_head_.exec, [&] { previous_step_sc(L); });
       sc_head_.key = StepGraphKey{L, -1, 0.0f};
     }
-    if (!g.exec || !(key == g.key)) {
-      g.key = StepGraphKey{};  // stays invalid if the capture below throws
-      capture_graph(g.exec, [&] { enqueue_denoise(req, L, /*capturing=*/true, /*sc_ahead=*/split); });
-      g.key = key;
-    }
+    if (!g.exec || !(key == g.key)) capture_step_graph(g, key, req, L);
     auto launch = [&](cudaGraphExec_t exec, std::vector<double>* us) {
       const auto t0 = std::chrono::steady_clock::now();
       CUDA_CHECK(cudaGraphLaunch(exec, stream_));
@@ -881,6 +919,14 @@ class CudaBackend final : public Backend {
       sc_head_pending_ = true;
       sc_head_rows_ = L;
     }
+  }
+  // g := the whole step for req at L rows, under key (its SC GEMM a graph of its own where split_step_head applies)
+  void capture_step_graph(StepGraph& g, const StepGraphKey& key, const DenoiseRequest& req, int L) {
+    const bool split = opt_.split_step_head && req.self_condition == SelfCondition::PreviousStep;
+    g.key = StepGraphKey{};  // stays invalid if the capture below throws
+    capture_graph(g.exec, [&] { enqueue_denoise(req, L, /*capturing=*/true, /*sc_ahead=*/split); });
+    g.key = key;
+    g.temperature = req.temperature;
   }
   // The end of a denoise call: its own work done (not a queued SC head behind it).
   void wait_for_step() {
@@ -1362,17 +1408,6 @@ class CudaBackend final : public Backend {
   std::vector<int> mark_stage_;
   size_t n_marks_ = 0;
   cudaGraphExec_t graph_exec_ = nullptr;  // the decoder layers, see decoder_layers()
-  struct StepGraphKey {
-    int rows = -1;
-    int64_t kv_len = -1;
-    float temperature = 0.0f;  // with CudaOptions::device_temperature: softcap_row_stats_variant
-    bool timeline = false;     // cuda::experts_timeline_recording() at capture
-    bool operator==(const StepGraphKey&) const = default;
-  };
-  struct StepGraph {
-    cudaGraphExec_t exec = nullptr;
-    StepGraphKey key;
-  };
   static constexpr size_t kSelfConditionModes = 4;
   // a whole denoise step per (SelfCondition, token tiles of the fused expert launch), see launch_step_graph()
   std::array<StepGraph, 2 * kSelfConditionModes> step_graphs_;

@@ -93,6 +93,11 @@ struct CudaOptions {
   // output unused (~0.5 ms of GPU time at the full shape, spent before that call's work starts). The same launches in
   // the same stream order: bitwise the same results. A/B: bench --no-sc-ahead.
   bool sc_head_ahead = true;
+  // With whole_step_graph: a prefill captures every step graph captured before again for its new KV length while its
+  // own work runs on the GPU (the commit between two blocks: the next block's first steps then find their graphs
+  // instead of capturing them, ~2.3 ms each on an H100 host, with the GPU idle). The same graphs: bitwise the same
+  // results. A/B: bench --no-graph-prewarm.
+  bool prewarm_step_graphs = true;
   // With whole_step_graph: the step's temperature is read from device memory when the graph runs (copied from mapped
   // pinned memory on a side branch at the graph's start), so one captured step serves every temperature. Without it
   // the temperature is a launch argument and part of the graph's key: the block loop's schedule changes T every step,
