@@ -569,11 +569,11 @@ class CudaBackend final : public Backend {
       two_tiles_now_ = (i % 2) != 0;
       StepGraphKey key = g.key;
       key.kv_len = kv_len_;
+      // Only an optimization: a capture that fails here leaves the graph invalid (capture_step_graph), and the next
+      // denoise step that needs it captures it again and reports the error there. The prefill has succeeded.
       try {
         capture_step_graph(g, key, req, g.key.rows);
-      } catch (...) {
-        two_tiles_now_ = tiles;
-        throw;
+      } catch (const std::exception&) {
       }
     }
     two_tiles_now_ = tiles;
