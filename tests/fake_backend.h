@@ -28,6 +28,7 @@ class FakeBackend : public Backend {
     SelfCondition sc;
     int64_t kv_len;
     bool want_logits;
+    bool more_steps;
   };
   // Fills result.rows (one per canvas position) and, when asked, result.logits. `call` counts denoise calls.
   using Script = std::function<void(const DenoiseRequest& req, int call, int64_t kv_len, DenoiseResult& result)>;
@@ -44,7 +45,8 @@ class FakeBackend : public Backend {
     kv_ += int64_t(ids.size());
   }
   void denoise(const DenoiseRequest& req, DenoiseResult& result) override {
-    calls.push_back({{req.canvas.begin(), req.canvas.end()}, req.temperature, req.self_condition, kv_, req.want_logits});
+    calls.push_back({{req.canvas.begin(), req.canvas.end()}, req.temperature, req.self_condition, kv_, req.want_logits,
+                     req.more_steps});
     result.rows.assign(req.canvas.size(), RowStats{});
     result.logits.clear();
     script_(req, int(calls.size()) - 1, kv_, result);

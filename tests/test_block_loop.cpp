@@ -190,6 +190,28 @@ TEST(BlockLoop, ConfidentStopEndsTheBlockOnTheSecondStep) {
   for (const auto& b : r.blocks) EXPECT_EQ(b.stop_reason, StopReason::Confident);
 }
 
+// DenoiseRequest::more_steps says another PreviousStep step of the same canvas follows: every step of a block but
+// its max_steps-th (a backend may start that step's SC work early). An early stop makes the hint wrong, which costs a
+// backend time only: the next call is then a commit and another block's first step, not a PreviousStep step.
+TEST(BlockLoop, MoreStepsHintsEveryStepButTheBlocksLast) {
+  FakeBackend be(1000, 16, rows_by(echo_row));
+  generate(be, kPrompt, base_options(40, 3));
+  ASSERT_EQ(be.calls.size(), 9u);
+  for (int c = 0; c < 9; ++c) EXPECT_EQ(be.calls[c].more_steps, c % 3 != 2) << c;
+  for (int c = 0; c + 1 < 9; ++c)
+    if (be.calls[c].more_steps) EXPECT_EQ(be.calls[c + 1].sc, SelfCondition::PreviousStep) << c;
+
+  FakeBackend early(1000, 8, rows_by([](int, int i, const DenoiseRequest&, int64_t) {
+                      return make_row(400 + i, 0.001f);
+                    }));
+  auto o = base_options(16, 10);
+  o.disable_extras();
+  auto r = generate(early, kPrompt, o);
+  ASSERT_EQ(r.steps_per_block(), (std::vector<int>{2, 2}));  // the confident stop fires on each block's second step
+  ASSERT_EQ(early.calls.size(), 4u);
+  for (const auto& c : early.calls) EXPECT_TRUE(c.more_steps);  // 2 < max_steps: the hint could not know
+}
+
 TEST(BlockLoop, MaxStepsIsTheStopReasonWhenNothingElseFires) {
   FakeBackend be(1000, 8, rows_by(echo_row));
   auto r = generate(be, kPrompt, base_options(8, 5));
