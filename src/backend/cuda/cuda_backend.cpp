@@ -560,7 +560,7 @@ class CudaBackend final : public Backend {
     const bool tiles = two_tiles_now_;
     for (size_t i = 0; i < step_graphs_.size(); ++i) {
       StepGraph& g = step_graphs_[i];
-      if (!g.exec || g.key.rows <= 0 || g.key.kv_len == kv_len_ || g.key.timeline || i / 2 >= kSelfConditionModes ||
+      if (!g.exec || g.key.rows <= 0 || g.key.kv_len == kv_len_ || g.key.timeline ||
           kv_len_ + g.key.rows > opt_.max_context)
         continue;
       DenoiseRequest req;
@@ -594,7 +594,7 @@ class CudaBackend final : public Backend {
     // step of the same rows; any other call leaves its output unused, and so does a timed step (its stage marks
     // bracket the GEMM it runs itself).
     const bool head_ready =
-        sc_head_pending_ && !timing_ && req.self_condition == SelfCondition::PreviousStep && sc_head_rows_ == L;
+        sc_head_pending_ && !timing_ && req.self_condition == SelfCondition::PreviousStep && sc_head_.key.rows == L;
     if (req.self_condition == SelfCondition::PreviousStep && prev_rows_ != L)
       fail("denoise: SelfCondition::PreviousStep needs a previous denoise of the same canvas length ({} vs {})",
            prev_rows_, L);
@@ -616,7 +616,7 @@ class CudaBackend final : public Backend {
     } else {
       out.logits.clear();
     }
-    wait_for_step();
+    wait_for(/*step_only=*/sc_head_pending_);  // this call's work, not the SC GEMM it may have queued behind it
     if (timing_) collect_marks();
     timing_ = false;
     prev_heavy_ = std::accumulate(host_heavy_, host_heavy_ + cfg_.num_layers, 0);
@@ -895,7 +895,7 @@ class CudaBackend final : public Backend {
     *host_temperature_ = req.temperature;  // the previous step's graph, its reader, is done (stage_ids)
     // CudaOptions::split_step_head: the SC GEMM as a graph of its own, launched first (its key: the rows; it reads
     // the previous step's probs and writes the SC signal, nothing else)
-    const bool split = opt_.split_step_head && req.self_condition == SelfCondition::PreviousStep;
+    const bool split = split_head(req);
     if (split && (!sc_head_.exec || sc_head_.key.rows != L)) {
       sc_head_.key = StepGraphKey{};
       capture_graph(sc_head_.exec, [&] { previous_step_sc(L); });
@@ -912,25 +912,26 @@ class CudaBackend final : public Backend {
     launch(g.exec, ht ? &ht->graph_launch_us : nullptr);
     // CudaOptions::sc_head_ahead: the next step's SC GEMM behind this step (it reads only the probs this step writes),
     // once its graph exists for these rows (captured by a PreviousStep step: never in the middle of queued work). The
-    // host then waits for step_done_ only (wait_for_step, stage_ids).
+    // host then waits for step_done_ only (wait_for, from denoise and stage_ids).
     if (opt_.sc_head_ahead && opt_.split_step_head && req.more_steps && sc_head_.exec && sc_head_.key.rows == L) {
       CUDA_CHECK(cudaEventRecord(step_done_, stream_));
       launch(sc_head_.exec, ht ? &ht->head_launch_us : nullptr);
       sc_head_pending_ = true;
-      sc_head_rows_ = L;
     }
   }
   // g := the whole step for req at L rows, under key (its SC GEMM a graph of its own where split_step_head applies)
   void capture_step_graph(StepGraph& g, const StepGraphKey& key, const DenoiseRequest& req, int L) {
-    const bool split = opt_.split_step_head && req.self_condition == SelfCondition::PreviousStep;
     g.key = StepGraphKey{};  // stays invalid if the capture below throws
-    capture_graph(g.exec, [&] { enqueue_denoise(req, L, /*capturing=*/true, /*sc_ahead=*/split); });
+    capture_graph(g.exec, [&] { enqueue_denoise(req, L, /*capturing=*/true, /*sc_ahead=*/split_head(req)); });
     g.key = key;
     g.temperature = req.temperature;
   }
-  // The end of a denoise call: its own work done (not a queued SC head behind it).
-  void wait_for_step() {
-    if (sc_head_pending_)
+  bool split_head(const DenoiseRequest& req) const {
+    return opt_.split_step_head && req.self_condition == SelfCondition::PreviousStep;
+  }
+  // Waits for the last denoise step's own work only (step_done_: not a queued SC head behind it), or for the stream.
+  void wait_for(bool step_only) {
+    if (step_only)
       CUDA_CHECK(cudaEventSynchronize(step_done_));
     else
       CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -946,10 +947,7 @@ class CudaBackend final : public Backend {
   // read host_ids_, so only the step before it must be done (step_done_). Otherwise the whole stream: an abandoned
   // head is waited for, so that its graph may be re-captured.
   void stage_ids(std::span<const int32_t> ids, bool behind_head = false) {
-    if (behind_head)
-      CUDA_CHECK(cudaEventSynchronize(step_done_));
-    else
-      CUDA_CHECK(cudaStreamSynchronize(stream_));
+    wait_for(/*step_only=*/behind_head);
     mark(-1);  // start of a timed denoise step (no-op otherwise)
     std::memcpy(host_ids_, ids.data(), ids.size() * 4);
   }
@@ -1392,10 +1390,9 @@ class CudaBackend final : public Backend {
   float* mapped_temperature_ = nullptr;
   cudaEvent_t step_fork_ = nullptr, temperature_ready_ = nullptr;
   // CudaOptions::sc_head_ahead: recorded between a step's graph and the next step's SC GEMM queued behind it
-  // (sc_head_pending_, for sc_head_rows_ rows)
+  // (sc_head_pending_; sc_head_ is only re-captured once no head is pending, so its key gives the head's rows)
   cudaEvent_t step_done_ = nullptr;
   bool sc_head_pending_ = false;
-  int sc_head_rows_ = 0;
   cuda::DeviceRowStats* host_stats_ = nullptr;
   int32_t* mapped_ids_ = nullptr;  // the device's addresses of the two pinned buffers above
   cuda::DeviceRowStats* mapped_stats_ = nullptr;
