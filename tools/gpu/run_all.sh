@@ -19,6 +19,21 @@ LIBS="$PWD/$DIST/lib:$(dirname "${cublas:-/nonexistent/x}"):${LD_LIBRARY_PATH:-}
 echo "binaries built from $(cat "$DIST/BUILT_FROM" 2>/dev/null || echo '? (no BUILT_FROM: rebuild with package.sh)') $(date -u +%FT%TZ)" |
   tee "$OUT/summary.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv | tee -a "$OUT/summary.txt"
+# Why one machine's step runs ~2-3% slower than another's with the same binaries is still open (docs/PERFORMANCE.md):
+# each bench is bracketed by the board's limits and state (memory temperature included: HBM refreshes more often
+# when hot), and sampled every 250 ms while the benches run (gpu_samples.csv in logs.tgz).
+nvidia-smi --query-gpu=clocks.max.sm,clocks.max.mem,power.limit,power.max_limit,pci.bus_id --format=csv |
+  sed 's/^/[gpu] /' | tee -a "$OUT/summary.txt"
+GPU_STATE=timestamp,temperature.gpu,temperature.memory,clocks.sm,clocks.mem,power.draw
+for reasons in clocks_event_reasons.active clocks_throttle_reasons.active; do  # the field's name by driver age
+  if nvidia-smi --query-gpu=$GPU_STATE,$reasons --format=csv,noheader >/dev/null 2>&1; then
+    GPU_STATE=$GPU_STATE,$reasons
+    break
+  fi
+done
+gpu_state() {
+  echo "[gpu] $1: $(nvidia-smi --query-gpu=$GPU_STATE --format=csv,noheader 2>&1 | head -1)" | tee -a "$OUT/summary.txt"
+}
 
 FS_DIR=${FS_DIR:-/tmp/fullshape}
 if [ "${FULLSHAPE:-1}" = 1 ]; then
@@ -92,9 +107,13 @@ if [ "${TUNE:-0}" = 1 ]; then
     --fixed-steps 0 --reps 2 --json >"$OUT/gemm_tune.json" 2>"$OUT/gemm_tune.log"
   t_rc=$?
 fi
+nvidia-smi --query-gpu=$GPU_STATE --format=csv -lms 250 >"$OUT/gpu_samples.csv" 2>&1 &
+smi_pid=$!
+gpu_state "before bench"
 # BENCH_ARGS: extra bench flags, e.g. "--breakdown --prefill 4096" (per-stage CUDA-event times of a denoise step).
 LD_LIBRARY_PATH="$LIBS" timeout 400 "$DIST/diffgemma" bench --json ${BENCH_ARGS:-} >"$OUT/bench.json" 2>"$OUT/bench.log"
 b_rc=$?
+gpu_state "after bench"
 # KERNEL_BENCH=0 skips `diffgemma bench-kernels` (every kernel launcher timed alone at the full-size shapes).
 kb_rc=skipped
 if [ "${KERNEL_BENCH:-1}" = 1 ]; then
@@ -113,7 +132,10 @@ for ab in "${ab_sets[@]}"; do
   echo "A/B $ab_i: $ab" >"$OUT/bench_ab$ab_i.log"
   LD_LIBRARY_PATH="$LIBS" timeout 300 "$DIST/diffgemma" bench --json ${AB_COMMON:---contexts 4096 --prefill 4096 --fixed-steps 0} $ab \
     >"$OUT/bench_ab$ab_i.json" 2>>"$OUT/bench_ab$ab_i.log"
+  gpu_state "after A/B $ab_i"
 done
+kill "$smi_pid" 2>/dev/null
+wait "$smi_pid" 2>/dev/null
 h_rc=skipped
 if [ "${HF:-0}" = 1 ]; then
   PYTHONUNBUFFERED=1 timeout "${HF_TIMEOUT:-300}" python3 tools/reference/bench_hf.py --json "$OUT/hf_bench.json" ${HF_ARGS:---skip-32k} \
