@@ -1089,6 +1089,82 @@ int64_t unpoisoned_words(const std::vector<bf16>& act, const std::vector<float>&
   return n;
 }
 
+// The prefill wgmma expert kernels on grouped rows whose counts cross every tile edge (a warpgroup's 32 / 64 / 128
+// token columns, an item's 256, empty experts), against a double CPU reference: act from the bf16 token rows, y from
+// the kernel's own act (so each GEMM is checked alone). Packed weights must give the same bits, and no row past P may
+// be written.
+TEST(CudaKernels, MoePrefillExpertsWgmma) {
+  REQUIRE_GPU();
+  if (!experts_prefill_supported(8, 256, 192)) GTEST_SKIP() << "the prefill wgmma expert kernels need an sm_90a device";
+  for (const auto& [H, I, counts] :
+       {std::tuple{256, 192, std::vector<int>{0, 1, 33, 128, 129, 256, 300, 65}},
+        std::tuple{384, 128, std::vector<int>{257, 64, 0, 511, 31, 2, 0, 97}},
+        std::tuple{128, 64, std::vector<int>{0, 0, 600}}}) {
+    const int E = int(counts.size());
+    std::vector<int32_t> offs(size_t(E) + 1, 0);
+    for (int e = 0; e < E; ++e) offs[size_t(e) + 1] = offs[size_t(e)] + counts[size_t(e)];
+    const int P = offs[size_t(E)], pad = 40;  // rows past P: poison that must survive
+    auto x = rnd(size_t(P) * H), gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
+    Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), act(size_t(P + pad) * I);
+    Dev<int32_t> doff(offs.size());
+    Dev<float> y(size_t(P + pad) * H);
+    dx.put(to_bf16(x)), dgu.put(to_bf16(gu)), ddn.put(to_bf16(dn)), doff.put(offs);
+    CUDA_CHECK(cudaMemset(act.p, 0xFF, size_t(P + pad) * I * sizeof(bf16)));
+    CUDA_CHECK(cudaMemset(y.p, 0xFF, size_t(P + pad) * H * sizeof(float)));
+    const TmaMap gu_map = tma_map_bf16_rows(dgu.p, int64_t(E) * 2 * I, H, 64);
+    const TmaMap dn_map = tma_map_bf16_rows(ddn.p, int64_t(E) * H, I, 64);
+    moe_gate_up_prefill_tma(gu_map, nullptr, dx.p, doff.p, E, P, H, I, act.p, nullptr);
+    moe_down_prefill_tma(dn_map, nullptr, act.p, doff.p, E, P, H, I, y.p, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const auto a16 = act.get();
+    const auto a = from_bf16(a16);
+    const auto yy = y.get();
+    const std::string what = "H " + std::to_string(H) + " I " + std::to_string(I) + " E " + std::to_string(E);
+    std::vector<float> act_ref(size_t(P) * I), y_ref(size_t(P) * H);
+    for (int e = 0; e < E; ++e)
+      for (int r = offs[size_t(e)]; r < offs[size_t(e) + 1]; ++r) {
+        for (int i = 0; i < I; ++i) {
+          double g = 0, u = 0;
+          for (int k = 0; k < H; ++k) {
+            g += double(x[size_t(r) * H + k]) * gu[(size_t(e) * 2 * I + i) * H + k];
+            u += double(x[size_t(r) * H + k]) * gu[(size_t(e) * 2 * I + I + i) * H + k];
+          }
+          act_ref[size_t(r) * I + i] = cpu::gelu_tanh(float(g)) * float(u);
+        }
+        for (int h = 0; h < H; ++h) {
+          double v = 0;
+          for (int i = 0; i < I; ++i) v += double(a[size_t(r) * I + i]) * dn[(size_t(e) * H + h) * I + i];
+          y_ref[size_t(r) * H + h] = float(v);
+        }
+      }
+    EXPECT_LE(rel_err(std::vector<float>(a.begin(), a.begin() + ptrdiff_t(act_ref.size())), act_ref), 8e-3) << what;
+    EXPECT_LE(rel_err(std::vector<float>(yy.begin(), yy.begin() + ptrdiff_t(y_ref.size())), y_ref), 2e-4) << what;
+    int64_t touched = 0;
+    for (size_t r = size_t(P); r < size_t(P + pad); ++r) touched += unpoisoned_words(a16, yy, r, I, H);
+    EXPECT_EQ(touched, 0) << "rows past P written, " << what;
+    // Packed weights: the same shared-memory stages, so the same bits.
+    Dev<bf16> gu_pk(gu.size()), dn_pk(dn.size()), act_pk(size_t(P + pad) * I);
+    Dev<float> y_pk(size_t(P + pad) * H);
+    Dev<bf16> y16(size_t(P + pad) * H);
+    pack_expert_gate_up(dgu.p, gu_pk.p, E, H, I, nullptr);
+    pack_expert_down(ddn.p, dn_pk.p, E, H, I, nullptr);
+    CUDA_CHECK(cudaMemset(y_pk.p, 0xFF, size_t(P + pad) * H * sizeof(float)));
+    CUDA_CHECK(cudaMemset(y16.p, 0xFF, size_t(P + pad) * H * sizeof(bf16)));
+    moe_gate_up_prefill_tma(gu_map, gu_pk.p, dx.p, doff.p, E, P, H, I, act_pk.p, nullptr);
+    moe_down_prefill_tma(dn_map, dn_pk.p, act.p, doff.p, E, P, H, I, y_pk.p, nullptr);
+    moe_down_prefill_tma(dn_map, nullptr, act.p, doff.p, E, P, H, I, y16.p, nullptr);
+    const auto ap = act_pk.get();
+    const auto yp = y_pk.get();
+    EXPECT_EQ(std::memcmp(ap.data(), a16.data(), size_t(P) * I * sizeof(bf16)), 0) << "packed gate_up, " << what;
+    EXPECT_EQ(std::memcmp(yp.data(), yy.data(), size_t(P + pad) * H * sizeof(float)), 0) << "packed down, " << what;
+    expect_bf16_rounding(yy, y16.get(), "prefill down, bf16 y, " + what);
+    // Deterministic: a second run gives the same bits.
+    moe_gate_up_prefill_tma(gu_map, nullptr, dx.p, doff.p, E, P, H, I, act_pk.p, nullptr);
+    const auto a2 = act_pk.get();
+    EXPECT_EQ(std::memcmp(a2.data(), a16.data(), size_t(P) * I * sizeof(bf16)), 0) << "rerun, " << what;
+  }
+}
+
 TEST(CudaKernels, MoeGroupedExperts) {
   REQUIRE_GPU();
   for (auto [T, E, k, H, I] : {std::tuple{37, 6, 2, 40, 24}, std::tuple{300, 16, 4, 136, 72},

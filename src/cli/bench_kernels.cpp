@@ -452,6 +452,24 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
           dn_bytes + double(Tp) * K * (Ie * 2 + H * 4), 2.0 * Tp * K * H * Ie,
           [=](cudaStream_t st) { cuda::moe_down(actp, off, E, Tp * K, wdn_packed, H, Ie, yp, st, nullptr, true); });
     }
+    if (cuda::experts_prefill_supported(E, H, Ie)) {  // the wgmma kernels (CudaOptions::prefill_tma_experts)
+      const cuda::TmaMap gu_map = cuda::tma_map_bf16_rows(wgu, int64_t(E) * 2 * Ie, H, 64);
+      const cuda::TmaMap dn_map = cuda::tma_map_bf16_rows(wdn, int64_t(E) * H, Ie, 64);
+      add("moe_gate_up_prefill_tma (prefill, wgmma)", gp, gu_bytes + double(Tp) * K * (H + Ie) * 2,
+          2.0 * Tp * K * H * 2 * Ie, [=](cudaStream_t st) {
+            cuda::moe_gate_up_prefill_tma(gu_map, nullptr, xsp, off, E, Tp * K, H, Ie, actp, st);
+          });
+      if (wgu_packed) {
+        add("moe_gate_up_prefill_tma (prefill, wgmma), packed weights (engine)", gp,
+            gu_bytes + double(Tp) * K * (H + Ie) * 2, 2.0 * Tp * K * H * 2 * Ie, [=](cudaStream_t st) {
+              cuda::moe_gate_up_prefill_tma(gu_map, wgu_packed, xsp, off, E, Tp * K, H, Ie, actp, st);
+            });
+      }
+      add("moe_down_prefill_tma (prefill, wgmma) (engine)", gp, dn_bytes + double(Tp) * K * (Ie * 2 + H * 4),
+          2.0 * Tp * K * H * Ie, [=](cudaStream_t st) {
+            cuda::moe_down_prefill_tma(dn_map, nullptr, actp, off, E, Tp * K, H, Ie, yp, st);
+          });
+    }
   }
 
   // ---- logits, sampler statistics, SC ----

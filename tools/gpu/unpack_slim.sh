@@ -5,11 +5,12 @@
 #   run(command="bash tools/gpu/unpack_slim.sh && bash tools/gpu/run_all.sh", carry=["build-gpu-slim"])
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+SLIM=${SLIM:-build-gpu-slim}  # another packed copy (e.g. an older build kept for a comparison), carried under its name
 rm -rf build-gpu-dist build-prof
 mkdir -p build-gpu-dist build-prof
-cp -r build-gpu-slim/lib build-gpu-slim/BUILT_FROM build-gpu-dist/
-cp -r build-gpu-slim/prof build-prof/lib
+cp -r "$SLIM/lib" "$SLIM/BUILT_FROM" build-gpu-dist/
+cp -r "$SLIM/prof" build-prof/lib
 for bin in diffgemma diffgemma_tests; do
-  gunzip -c "build-gpu-slim/$bin.gz" >"build-gpu-dist/$bin"
+  gunzip -c "$SLIM/$bin.gz" >"build-gpu-dist/$bin"
   chmod +x "build-gpu-dist/$bin"
 done

@@ -414,12 +414,15 @@ class CudaBackend final : public Backend {
       const int H = cfg_.hidden_size, Ie = cfg_.moe_intermediate_size, E = cfg_.num_experts;
       const int M = cuda::moe_padded_rows_per_expert(cfg_.canvas_length, cfg_.top_k_experts, E);
       use_tma_experts_ = opt_.padded_experts && opt_.tma_experts && cuda::experts_tma_supported(M, H, Ie);
-      if (use_tma_experts_) {
+      use_prefill_tma_ = opt_.prefill_tma_experts && cuda::experts_prefill_supported(E, H, Ie);
+      if (use_tma_experts_ || use_prefill_tma_) {
         for (DevLayer& L : layers_) {
           const int promo = opt_.tma_weight_l2_promotion;
           L.exp_gu_map = cuda::tma_map_bf16_rows(L.exp_gu, int64_t(E) * 2 * Ie, H, 64, promo);
           L.exp_down_map = cuda::tma_map_bf16_rows(L.exp_down, int64_t(E) * H, Ie, 64, promo);
         }
+      }
+      if (use_tma_experts_) {
         xs_map_ = cuda::tma_map_bf16_rows(s_.xs, int64_t(E) * M, H, M);
         acte_map_ = cuda::tma_map_bf16_rows(s_.acte, int64_t(E) * M, Ie, M);
       }  // else (not sm_90, or not 32 padded rows per expert): the cuBLASLt expert GEMMs
@@ -1243,9 +1246,17 @@ class CudaBackend final : public Backend {
     } else {
       cuda::moe_group(s_.idx, T, K, E, s_.xe, H, s_.offsets, s_.sorted_pos, s_.xs, stream_);
       mark(kStGroup);
-      cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, stream_, nullptr, L.gu_packed);
-      mark(kStGateUp);
-      cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, y, stream_, nullptr, L.dn_packed);
+      if (use_prefill_tma_) {  // CudaOptions::prefill_tma_experts
+        cuda::moe_gate_up_prefill_tma(L.exp_gu_map, L.gu_packed ? L.exp_gu : nullptr, s_.xs, s_.offsets, E, T * K, H,
+                                      Ie, s_.acte, stream_);
+        mark(kStGateUp);
+        cuda::moe_down_prefill_tma(L.exp_down_map, L.dn_packed ? L.exp_down : nullptr, s_.acte, s_.offsets, E, T * K,
+                                   H, Ie, y, stream_);
+      } else {
+        cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, stream_, nullptr, L.gu_packed);
+        mark(kStGateUp);
+        cuda::moe_down(s_.acte, s_.offsets, E, T * K, L.exp_down, H, Ie, y, stream_, nullptr, L.dn_packed);
+      }
       mark(kStDown);
     }
     if (overlap) {
@@ -1384,6 +1395,7 @@ class CudaBackend final : public Backend {
                : canvas;
   }
   bool use_tma_experts_ = false;        // CudaOptions::tma_experts and experts_tma_supported at the canvas shape
+  bool use_prefill_tma_ = false;        // CudaOptions::prefill_tma_experts and experts_prefill_supported
   cuda::TmaMap xs_map_{}, acte_map_{};  // over the padded rows of s_.xs / s_.acte (box M rows)
   int32_t* host_ids_ = nullptr;
   float* host_temperature_ = nullptr;  // mapped: the captured step's temperature (CudaOptions::device_temperature)

@@ -200,6 +200,10 @@ struct CudaOptions {
   // PDL-launched) leaves. H200, same call: 4K step 18.38 vs 18.57 ms with cuBLASLt (docs/BENCHMARKS.md, session 5).
   // A/B: bench --cublas-experts. Elsewhere (other GPUs, other shapes) the cuBLASLt path runs.
   bool tma_experts = true;
+  // Prefill chunks longer than a canvas (the grouped expert path, ~256 rows an expert at 4096 tokens) on the wgmma
+  // expert kernels (kernels_experts_prefill.cu) instead of the grouped mma.sync ones, on Hopper (sm_90a image).
+  // Not bitwise the grouped kernels (another f32 summation order). A/B: bench --no-prefill-tma-experts.
+  bool prefill_tma_experts = true;
   // With tma_experts: gate_up reads each expert's token rows straight from the expert input (moe_assign_padded's
   // slot_token) instead of a gathered copy, so no gather kernel sits between the router and the experts. Same
   // results, bitwise. H200, same call: 4K step 17.64 / 17.63 ms against 18.14 with the gather (docs/BENCHMARKS.md,
