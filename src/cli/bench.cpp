@@ -326,6 +326,22 @@ int run_bench(const BenchArgs& args) {
     double ms = median(t);
     out["prefill"][std::to_string(p)] = {{"ms", ms}, {"tok_per_s", p / (ms / 1e3)}};
     std::fprintf(stderr, "prefill %6d tokens: %9.1f ms  %9.0f tok/s\n", p, ms, p / (ms / 1e3));
+    if (args.breakdown) {  // one more prefill with a CUDA event after every stage (one stream: no dense-MLP overlap)
+      stages.reset();
+      stages.enabled = true;
+      be->truncate(0);
+      be->prefill(ids);
+      stages.enabled = false;
+      double sum = 0;
+      for (auto& [name, stage_ms] : stages.ms) {
+        out["prefill"][std::to_string(p)]["breakdown_ms"][name] = stage_ms;
+        sum += stage_ms;
+      }
+      std::fprintf(stderr, "prefill %6d breakdown (ms, summed over layers and chunks):\n", p);
+      for (auto& [name, stage_ms] : stages.ms)
+        std::fprintf(stderr, "  %-28s %8.3f  %5.1f%%\n", name.c_str(), stage_ms, 100.0 * stage_ms / std::max(sum, 1e-9));
+      std::fprintf(stderr, "  %-28s %8.3f\n", "sum of stages", sum);
+    }
   }
 
   for (int ctx : contexts) {
@@ -565,7 +581,8 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_option("--prefill", a->prefills, "prefill sizes, comma-separated");
                        sub.add_flag("--json", a->json, "print JSON instead of tables");
                        sub.add_flag("--breakdown", a->breakdown,
-                                    "also time each stage of a denoise step (CUDA events, summed over layers)");
+                                    "also time each stage of a denoise step and of each prefill (CUDA events, "
+                                    "summed over layers)");
                        sub.add_flag("--no-graphs", a->no_graphs, "launch the decoder layers eagerly (no CUDA graph)");
                        sub.add_option("--fixed-steps", a->fixed_steps,
                                       "end-to-end run with exactly this many denoise steps per canvas (0: skip)")

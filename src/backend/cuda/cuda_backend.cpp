@@ -336,7 +336,8 @@ namespace {
 
 enum class Pass { Encoder, Decoder };
 
-// Stages of a denoise step for CudaStageTimes (the time since the previous mark goes to the named stage).
+// Stages of a denoise step (or a prefill: its embedding, then the layers' stages) for CudaStageTimes (the time since
+// the previous mark goes to the named stage).
 enum Stage : int {
   kStEmbedSc, kStAttnProj, kStAttention, kStOProj, kStDenseMlp, kStRouter, kStGroup, kStGateUp, kStDown,
   kStCombine, kStLmHead, kStRowStats, kNumStages
@@ -539,9 +540,13 @@ class CudaBackend final : public Backend {
     const bool tracing = trace_ && ids.size() <= size_t(opt_.prefill_chunk);
     if (trace_) trace_->stages.clear(), trace_->router_logits.clear(), trace_->experts.clear();
     two_tiles_now_ = opt_.expert_two_token_tiles;
+    // CudaStageTimes covers a prefill too (bench --breakdown): every chunk's stages, summed.
+    timing_ = opt_.stage_times && opt_.stage_times->enabled && !trace_;
+    n_marks_ = 0;
     for (size_t done = 0; done < ids.size();) {
       const int T = int(std::min<size_t>(size_t(opt_.prefill_chunk), ids.size() - done));
       embed(ids.subspan(done, size_t(T)));
+      mark(kStEmbedSc);
       if (tracing) trace_stage(s_.h, T);
       for (int l = 0; l < cfg_.num_layers; ++l) {
         layer(l, Pass::Encoder, T);
@@ -549,6 +554,11 @@ class CudaBackend final : public Backend {
       }
       kv_len_ += T;
       done += size_t(T);
+    }
+    if (timing_) {
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      collect_marks();
+      timing_ = false;
     }
     if (!trace_) prewarm_step_graphs();
     CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -744,6 +754,7 @@ class CudaBackend final : public Backend {
     if (st.ms.empty())
       for (const char* n : kStageNames) st.ms.emplace_back(n, 0.0);
     for (size_t i = 1; i < n_marks_; ++i) {
+      if (mark_stage_[i] < 0) continue;  // a prefill chunk's start: the host's wait before it is no stage's
       float t = 0;
       CUDA_CHECK(cudaEventElapsedTime(&t, events_[i - 1], events_[i]));
       st.ms[size_t(mark_stage_[i])].second += t;
