@@ -1099,7 +1099,13 @@ TEST(CudaKernels, MoePrefillExpertsWgmma) {
   for (const auto& [H, I, counts] :
        {std::tuple{256, 192, std::vector<int>{0, 1, 33, 128, 129, 256, 300, 65}},
         std::tuple{384, 128, std::vector<int>{257, 64, 0, 511, 31, 2, 0, 97}},
-        std::tuple{128, 64, std::vector<int>{0, 0, 600}}}) {
+        std::tuple{128, 64, std::vector<int>{0, 0, 600}},
+        // more experts than a warp's lanes (the item prefix over several chunks), zeros among them
+        std::tuple{128, 64, [] {
+                     std::vector<int> c(70);
+                     for (size_t e = 0; e < c.size(); ++e) c[e] = int((e * 37) % 11 == 3 ? 0 : (e * 53) % 41);
+                     return c;
+                   }()}}) {
     const int E = int(counts.size());
     std::vector<int32_t> offs(size_t(E) + 1, 0);
     for (int e = 0; e < E; ++e) offs[size_t(e) + 1] = offs[size_t(e)] + counts[size_t(e)];
