@@ -17,6 +17,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_device.h"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/expert_items.h"
 #include "backend/cuda/expert_layout.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/pdl.h"
@@ -1087,6 +1088,39 @@ int64_t unpoisoned_words(const std::vector<bf16>& act, const std::vector<float>&
     n += b != 0xFFFFFFFFu;
   }
   return n;
+}
+
+// The prefill expert kernels' item numbering (expert_items.h, CPU only): every (expert, weight tile, token row) is
+// covered by exactly one item, each item's rows lie inside its expert's, and items of one weight tile are adjacent.
+TEST(ExpertItems, PrefillItemsCoverEveryRowOnce) {
+  constexpr int kTokItem = 256;
+  std::mt19937 gen(7);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int E = 1 + int(gen() % 200), tiles_n = 1 + int(gen() % 12);
+    std::vector<int> offs(size_t(E) + 1, 0), item_start(size_t(E) + 1, 0);
+    for (int e = 0; e < E; ++e) {
+      const int kind = int(gen() % 4);  // empty, short, around a tile, several tiles
+      const int rows = kind == 0 ? 0 : kind == 1 ? int(gen() % 40) : kind == 2 ? 240 + int(gen() % 40) : int(gen() % 1100);
+      offs[size_t(e) + 1] = offs[size_t(e)] + rows;
+      item_start[size_t(e) + 1] = item_start[size_t(e)] + expert_prefill_items(rows, tiles_n, kTokItem);
+    }
+    const int P = offs[size_t(E)], n_items = item_start[size_t(E)];
+    std::vector<int> seen(size_t(P) * size_t(tiles_n), 0);
+    int prev_e = -1, prev_nt = -1, prev_end = 0;
+    for (int item = 0; item < n_items; ++item) {
+      const ExpertPrefillItem m = expert_prefill_item_at(item, item_start.data(), offs.data(), E, kTokItem);
+      ASSERT_TRUE(m.e >= 0 && m.e < E && m.nt >= 0 && m.nt < tiles_n) << "item " << item << " trial " << trial;
+      ASSERT_TRUE(m.rows >= 1 && m.rows <= kTokItem) << "item " << item << " trial " << trial;
+      ASSERT_GE(m.row0, offs[size_t(m.e)]);
+      ASSERT_LE(m.row0 + m.rows, offs[size_t(m.e) + 1]);
+      // a weight tile's token tiles follow each other, in row order
+      if (m.e == prev_e && m.nt == prev_nt) EXPECT_EQ(m.row0, prev_end) << "item " << item;
+      else EXPECT_EQ(m.row0, offs[size_t(m.e)]) << "item " << item;
+      prev_e = m.e, prev_nt = m.nt, prev_end = m.row0 + m.rows;
+      for (int r = m.row0; r < m.row0 + m.rows; ++r) ++seen[size_t(r) * size_t(tiles_n) + size_t(m.nt)];
+    }
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), ptrdiff_t(seen.size())) << "trial " << trial;
+  }
 }
 
 // The prefill wgmma expert kernels on grouped rows whose counts cross every tile edge (a warpgroup's 32 / 64 / 128

@@ -30,6 +30,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_util.cuh"
+#include "backend/cuda/expert_items.h"
 #include "backend/cuda/expert_layout.h"
 #include "backend/cuda/hopper_tma.cuh"
 #include "backend/cuda/launch.cuh"
@@ -93,7 +94,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (e < E) {
         const int start = __ldcg(offsets + e), rows = __ldcg(offsets + e + 1) - start;
         offs[e] = start;
-        n = (rows + kTokItem - 1) / kTokItem * tiles_n;
+        n = expert_prefill_items(rows, tiles_n, kTokItem);
       }
       int incl = n;
 #pragma unroll
@@ -108,24 +109,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   const int n_items = item_start[E];
-  // Item -> expert e (the last one whose items start at or before it: experts without rows start where the next
-  // one does), weight tile nt, first token row row0 and the item's token rows (<= 256).
-  struct Item {
-    int e, nt, row0, rows;
-  };
-  auto decode = [&](int item) {
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (item_start[mid] <= item)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    const int q = item - item_start[lo], start = offs[lo], cnt = offs[lo + 1] - start;
-    const int S = (cnt + kTokItem - 1) / kTokItem, j = q % S;
-    return Item{lo, q / S, start + j * kTokItem, min(kTokItem, cnt - j * kTokItem)};
-  };
+  // Item -> expert, weight tile, first token row and its token rows (<= 256): expert_items.h.
+  auto decode = [&](int item) { return expert_prefill_item_at(item, item_start, offs, E, kTokItem); };
 
   if (warp == 8) {
     if (lane != 0) return;
@@ -135,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
     uint32_t it = 0;
     for (int item = int(blockIdx.x); item < n_items; item += int(gridDim.x)) {
-      const Item m = decode(item);
+      const ExpertPrefillItem m = decode(item);
       const bool second = m.rows > kTokWG;  // warpgroup 1 has rows: its token box too
       const int row_a = GATED ? m.e * 2 * I + m.nt * 64 : m.e * H + m.nt * 128;
       const int row_b = GATED ? row_a + I : row_a + 64;
@@ -165,7 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = warp >> 2, wl = warp & 3;
   uint32_t it = 0;
   for (int item = int(blockIdx.x); item < n_items; item += int(gridDim.x)) {
-    const Item m = decode(item);
+    const ExpertPrefillItem m = decode(item);
     const int mine = min(max(m.rows - wg * kTokWG, 0), kTokWG);  // this warpgroup's token rows
     const int row0 = m.row0 + wg * kTokWG;
     // One instantiation a wgmma width: d0 = weight rows 0-63 (gate / first half), d1 = rows 64-127.
