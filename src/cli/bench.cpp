@@ -150,6 +150,21 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
+// --breakdown: the stage times of the timed calls, per call (into node[name] and, under `title`, to stderr).
+void report_breakdown(const CudaStageTimes& st, nlohmann::json& node, const std::string& title) {
+  const int calls = std::max(1, st.steps);
+  double sum = 0;
+  for (const auto& [name, ms] : st.ms) {
+    node[name] = ms / calls;
+    sum += ms / calls;
+  }
+  std::fprintf(stderr, "%s\n", title.c_str());
+  for (const auto& [name, ms] : st.ms)
+    std::fprintf(stderr, "  %-28s %8.3f  %5.1f%%\n", name.c_str(), ms / calls,
+                 100.0 * ms / calls / std::max(sum, 1e-9));
+  std::fprintf(stderr, "  %-28s %8.3f\n", "sum of stages", sum);
+}
+
 int run_bench(const BenchArgs& args) {
   // GEMM tuning times cuBLASLt candidates at each shape's first call, which cannot happen inside a graph capture.
   const bool no_graphs = args.no_graphs || args.tune_gemm;
@@ -332,15 +347,8 @@ int run_bench(const BenchArgs& args) {
       be->truncate(0);
       be->prefill(ids);
       stages.enabled = false;
-      double sum = 0;
-      for (auto& [name, stage_ms] : stages.ms) {
-        out["prefill"][std::to_string(p)]["breakdown_ms"][name] = stage_ms;
-        sum += stage_ms;
-      }
-      std::fprintf(stderr, "prefill %6d breakdown (ms, summed over layers and chunks):\n", p);
-      for (auto& [name, stage_ms] : stages.ms)
-        std::fprintf(stderr, "  %-28s %8.3f  %5.1f%%\n", name.c_str(), stage_ms, 100.0 * stage_ms / std::max(sum, 1e-9));
-      std::fprintf(stderr, "  %-28s %8.3f\n", "sum of stages", sum);
+      report_breakdown(stages, out["prefill"][std::to_string(p)]["breakdown_ms"],
+                       fmt::format("prefill {:6d} breakdown (ms, summed over layers and chunks):", p));
     }
   }
 
@@ -389,17 +397,9 @@ int run_bench(const BenchArgs& args) {
       stages.enabled = true;
       for (int r = 0; r < args.reps; ++r) be->denoise(req, res);
       stages.enabled = false;
-      double sum = 0;
-      for (auto& [name, ms] : stages.ms) {
-        const double per = ms / std::max(1, stages.steps);
-        out["denoise"][std::to_string(ctx)]["breakdown_ms"][name] = per;
-        sum += per;
-      }
-      std::fprintf(stderr, "kv %6d breakdown (ms per step, summed over layers; %d steps):\n", ctx, stages.steps);
-      for (auto& [name, ms] : stages.ms)
-        std::fprintf(stderr, "  %-28s %8.3f  %5.1f%%\n", name.c_str(), ms / std::max(1, stages.steps),
-                     100.0 * ms / std::max(1, stages.steps) / std::max(sum, 1e-9));
-      std::fprintf(stderr, "  %-28s %8.3f\n", "sum of stages", sum);
+      report_breakdown(
+          stages, out["denoise"][std::to_string(ctx)]["breakdown_ms"],
+          fmt::format("kv {:6d} breakdown (ms per step, summed over layers; {} steps):", ctx, stages.steps));
     }
     // --first-step: a canvas's first step as the block loop runs it (SC from the canvas embedding), alone and right
     // after a commit (prefill) of 256 tokens and after the whole context's prefill (session 23: some machines ran the

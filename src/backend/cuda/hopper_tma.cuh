@@ -1,7 +1,7 @@
 #pragma once
 // Hopper (sm_90a) PTX wrappers shared by the TMA expert kernels (kernels_experts_tma.cu) and their microbenches
 // (tools/gpu/microbench/experts_wgmma_bench.cu, stream_bench.cu): shared-memory mbarriers and a trapping wait on
-// them, 2D TMA loads into shared memory, the wgmma descriptor of a 128-byte-swizzled K-major tile, wgmma m64nNk16 for
+// them, 2D TMA loads and 1D bulk copies into shared memory, the wgmma descriptor of a 128-byte-swizzled K-major tile, wgmma m64nNk16 for
 // N = 32 / 64 / 128 / 256, and the cluster pieces of kernels_dense_tma.cu (multicast loads, remote arrives).
 // Spellings as in CUTLASS's cute/arch.
 // Only code compiled for sm_90a may call them: the device passes of other architectures do not see them.
@@ -78,6 +78,16 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
       " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "l"(policy)
+      : "memory");
+}
+// 1D bulk copy of `bytes` (a multiple of 16) from global `src` into shared memory at `dst`, completing `bar`'s
+// transaction count by them; `policy` an L2 cache policy.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                          uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
+      "%4;" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
       : "memory");
 }
 // L2 prefetch of one box (no shared memory, no completion to wait for).

@@ -131,11 +131,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
         mbar_arrive_expect_tx(full, uint32_t(kWBytes + (second ? 2 : 1) * kXBytes));
         if (w_packed) {
-          asm volatile(
-              "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
-              "%4;" ::"r"(st),
-              "l"(w_packed + expert_packed_stage(tile, nk, kt)), "r"(kWBytes), "r"(full), "l"(policy)
-              : "memory");
+          bulk_load(st, w_packed + expert_packed_stage(tile, nk, kt), kWBytes, full, policy);
         } else {
           tma_load_2d(st, &tmW, kt * kBK, row_a, full, policy);
           tma_load_2d(st + kWBytes / 2, &tmW, kt * kBK, row_b, full, policy);

@@ -229,11 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                            uint64_t policy, bool down = false) {
     mbar_arrive_expect_tx(full, expect);
     if (const bf16* src = packed_stage(tile, kt)) {
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
-          "%4;" ::"r"(st),
-          "l"(src), "r"(2 * kWBoxBytes), "r"(full), "l"(policy)
-          : "memory");
+      bulk_load(st, src, 2 * kWBoxBytes, full, policy);
       return;
     }
     const CUtensorMap* map = FUSED && down ? &tmX : &tmW;

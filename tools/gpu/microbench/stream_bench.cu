@@ -104,11 +104,7 @@ __global__ void __launch_bounds__(32 * (kConsumerWarps + PWARPS))
         } else if constexpr (MODE == kBulkContig) {
           mbar_arrive_expect_tx(full, kStage);
           const char* src = w + chunk_offset(MODE, tile, kt, 0);
-          asm volatile(
-              "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
-              "%4;" ::"r"(st),
-              "l"(src), "r"(kStage), "r"(full), "l"(evict_first)
-              : "memory");
+          bulk_load(st, src, kStage, full, evict_first);
         } else {
           for (int c = pt; c < kStage / 16; c += kProducers) {
             const char* src = w + chunk_offset(MODE, tile, kt, c);
