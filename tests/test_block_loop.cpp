@@ -198,8 +198,11 @@ TEST(BlockLoop, MoreStepsHintsEveryStepButTheBlocksLast) {
   generate(be, kPrompt, base_options(40, 3));
   ASSERT_EQ(be.calls.size(), 9u);
   for (int c = 0; c < 9; ++c) EXPECT_EQ(be.calls[c].more_steps, c % 3 != 2) << c;
-  for (int c = 0; c + 1 < 9; ++c)
-    if (be.calls[c].more_steps) EXPECT_EQ(be.calls[c + 1].sc, SelfCondition::PreviousStep) << c;
+  for (int c = 0; c + 1 < 9; ++c) {
+    if (be.calls[c].more_steps) {
+      EXPECT_EQ(be.calls[c + 1].sc, SelfCondition::PreviousStep) << c;
+    }
+  }
 
   FakeBackend early(1000, 8, rows_by([](int, int i, const DenoiseRequest&, int64_t) {
                       return make_row(400 + i, 0.001f);

@@ -1114,8 +1114,8 @@ TEST(ExpertItems, PrefillItemsCoverEveryRowOnce) {
       ASSERT_GE(m.row0, offs[size_t(m.e)]);
       ASSERT_LE(m.row0 + m.rows, offs[size_t(m.e) + 1]);
       // a weight tile's token tiles follow each other, in row order
-      if (m.e == prev_e && m.nt == prev_nt) EXPECT_EQ(m.row0, prev_end) << "item " << item;
-      else EXPECT_EQ(m.row0, offs[size_t(m.e)]) << "item " << item;
+      const int expected_row0 = m.e == prev_e && m.nt == prev_nt ? prev_end : offs[size_t(m.e)];
+      EXPECT_EQ(m.row0, expected_row0) << "item " << item;
       prev_e = m.e, prev_nt = m.nt, prev_end = m.row0 + m.rows;
       for (int r = m.row0; r < m.row0 + m.rows; ++r) ++seen[size_t(r) * size_t(tiles_n) + size_t(m.nt)];
     }

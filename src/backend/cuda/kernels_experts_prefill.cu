@@ -41,7 +41,7 @@ namespace {
 
 constexpr int kBK = 64;                             // k per stage: 64 bf16 = one 128-byte swizzle row
 constexpr int kTokWG = 128;                         // token rows of a warpgroup (its widest wgmma N)
-constexpr int kTokItem = 2 * kTokWG;                // token rows of an item
+[[maybe_unused]] constexpr int kTokItem = 2 * kTokWG;  // token rows of an item (device code only)
 constexpr int kWBytes = 128 * kBK * 2;              // 16384: the weight tile's k slice (two 64-row halves)
 constexpr int kXBytes = kTokWG * kBK * 2;           // 16384: a warpgroup's token box
 constexpr int kStageBytes = kWBytes + 2 * kXBytes;  // 49152
