@@ -1182,7 +1182,10 @@ TEST(CudaKernels, MoePrefillExpertsWgmma) {
     int64_t touched = 0;
     for (size_t r = size_t(P); r < size_t(P + pad); ++r) touched += unpoisoned_words(a16, yy, r, I, H);
     EXPECT_EQ(touched, 0) << "rows past P written, " << what;
-    // Packed weights: the same shared-memory stages, so the same bits.
+    // Packed weights: the same shared-memory stages, so the same bits; these runs also claim their items from
+    // counters (CudaOptions::prefill_item_counter), which must not change a bit and must be left zeroed.
+    Dev<unsigned> items(2);
+    CUDA_CHECK(cudaMemset(items.p, 0, 2 * sizeof(unsigned)));
     Dev<bf16> gu_pk(gu.size()), dn_pk(dn.size()), act_pk(size_t(P + pad) * I);
     Dev<float> y_pk(size_t(P + pad) * H);
     Dev<bf16> y16(size_t(P + pad) * H);
@@ -1190,11 +1193,12 @@ TEST(CudaKernels, MoePrefillExpertsWgmma) {
     pack_expert_down(ddn.p, dn_pk.p, E, H, I, nullptr);
     CUDA_CHECK(cudaMemset(y_pk.p, 0xFF, size_t(P + pad) * H * sizeof(float)));
     CUDA_CHECK(cudaMemset(y16.p, 0xFF, size_t(P + pad) * H * sizeof(bf16)));
-    moe_gate_up_prefill_tma(gu_map, gu_pk.p, dx.p, doff.p, E, P, H, I, act_pk.p, nullptr);
-    moe_down_prefill_tma(dn_map, dn_pk.p, act.p, doff.p, E, P, H, I, y_pk.p, nullptr);
-    moe_down_prefill_tma(dn_map, nullptr, act.p, doff.p, E, P, H, I, y16.p, nullptr);
+    moe_gate_up_prefill_tma(gu_map, gu_pk.p, dx.p, doff.p, E, P, H, I, act_pk.p, nullptr, items.p);
+    moe_down_prefill_tma(dn_map, dn_pk.p, act.p, doff.p, E, P, H, I, y_pk.p, nullptr, items.p);
+    moe_down_prefill_tma(dn_map, nullptr, act.p, doff.p, E, P, H, I, y16.p, nullptr, items.p);
     const auto ap = act_pk.get();
     const auto yp = y_pk.get();
+    EXPECT_EQ(items.get(), (std::vector<unsigned>{0u, 0u})) << "item counters left zeroed, " << what;
     EXPECT_EQ(std::memcmp(ap.data(), a16.data(), size_t(P) * I * sizeof(bf16)), 0) << "packed gate_up, " << what;
     EXPECT_EQ(std::memcmp(yp.data(), yy.data(), size_t(P + pad) * H * sizeof(float)), 0) << "packed down, " << what;
     expect_bf16_rounding(yy, y16.get(), "prefill down, bf16 y, " + what);

@@ -460,14 +460,23 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
             cuda::moe_gate_up_prefill_tma(gu_map, nullptr, xsp, off, E, Tp * K, H, Ie, actp, st);
           });
       if (wgu_packed) {
-        add("moe_gate_up_prefill_tma (prefill, wgmma), packed weights (engine)", gp,
+        add("moe_gate_up_prefill_tma (prefill, wgmma), packed weights, static items", gp,
             gu_bytes + double(Tp) * K * (H + Ie) * 2, 2.0 * Tp * K * H * 2 * Ie, [=](cudaStream_t st) {
               cuda::moe_gate_up_prefill_tma(gu_map, wgu_packed, xsp, off, E, Tp * K, H, Ie, actp, st);
             });
+        add("moe_gate_up_prefill_tma (prefill, wgmma), packed weights, item counter (engine)", gp,
+            gu_bytes + double(Tp) * K * (H + Ie) * 2, 2.0 * Tp * K * H * 2 * Ie, [=](cudaStream_t st) {
+              cuda::moe_gate_up_prefill_tma(gu_map, wgu_packed, xsp, off, E, Tp * K, H, Ie, actp, st, tiles);
+            });
       }
-      add("moe_down_prefill_tma (prefill, wgmma) (engine)", gp, dn_bytes + double(Tp) * K * (Ie * 2 + H * 4),
+      add("moe_down_prefill_tma (prefill, wgmma), static items", gp, dn_bytes + double(Tp) * K * (Ie * 2 + H * 4),
           2.0 * Tp * K * H * Ie, [=](cudaStream_t st) {
             cuda::moe_down_prefill_tma(dn_map, nullptr, actp, off, E, Tp * K, H, Ie, yp, st);
+          });
+      add("moe_down_prefill_tma (prefill, wgmma), item counter (engine)", gp,
+          dn_bytes + double(Tp) * K * (Ie * 2 + H * 4), 2.0 * Tp * K * H * Ie, [=](cudaStream_t st) {
+            cuda::moe_down_prefill_tma(dn_map, wdn_packed, actp, off, E, Tp * K, H, Ie, yp, st,
+                                       tiles);
           });
     }
   }

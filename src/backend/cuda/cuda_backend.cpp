@@ -69,6 +69,8 @@ struct Scratch {
   unsigned* expert_masks;      // router_top_k's token bit masks of each expert
   unsigned* expert_tile_counters;  // gate_up's tile counters (CudaOptions::dynamic_expert_tiles): zeroed once, left
                                    // zeroed by every launch
+  unsigned* prefill_item_counters;  // the prefill expert kernels' item counters (CudaOptions::prefill_item_counter),
+                                    // the same contract
   cuda::DeviceRowStats* stats;
   void* row_stats_scratch;     // softcap_row_stats partials
   float* probs_scale;          // [canvas] the probs' row factors (CudaOptions::fused_sc_probs)
@@ -404,6 +406,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMalloc(&arena_.base, dry.used));
     layout(arena_);
     CUDA_CHECK(cudaMemset(s_.expert_tile_counters, 0, (2 + size_t(cfg_.num_experts)) * sizeof(unsigned)));
+    CUDA_CHECK(cudaMemset(s_.prefill_item_counters, 0, 2 * sizeof(unsigned)));
     for (DevLayer& L : layers_) {
       if (!L.attn_ptrs) continue;
       const size_t bytes = kv_rows(L) * size_t(L.shape.n_kv_heads) * size_t(L.shape.head_dim) * sizeof(bf16);
@@ -1258,11 +1261,12 @@ class CudaBackend final : public Backend {
       cuda::moe_group(s_.idx, T, K, E, s_.xe, H, s_.offsets, s_.sorted_pos, s_.xs, stream_);
       mark(kStGroup);
       if (use_prefill_tma_) {  // CudaOptions::prefill_tma_experts
+        unsigned* const items = opt_.prefill_item_counter ? s_.prefill_item_counters : nullptr;
         cuda::moe_gate_up_prefill_tma(L.exp_gu_map, L.gu_packed ? L.exp_gu : nullptr, s_.xs, s_.offsets, E, T * K, H,
-                                      Ie, s_.acte, stream_);
+                                      Ie, s_.acte, stream_, items);
         mark(kStGateUp);
         cuda::moe_down_prefill_tma(L.exp_down_map, L.dn_packed ? L.exp_down : nullptr, s_.acte, s_.offsets, E, T * K,
-                                   H, Ie, y, stream_);
+                                   H, Ie, y, stream_, items);
       } else {
         cuda::moe_gate_up(s_.xs, s_.offsets, E, T * K, L.exp_gu, H, Ie, s_.acte, stream_, nullptr, L.gu_packed);
         mark(kStGateUp);
@@ -1340,6 +1344,7 @@ class CudaBackend final : public Backend {
     s_.dense_part = dense_part ? ar.take<float>(dense_part * Lc) : nullptr;
     s_.expert_masks = ar.take<unsigned>(cuda::expert_mask_words(int(Lc), int(E)));
     s_.expert_tile_counters = ar.take<unsigned>(2 + E);  // + the fused experts' per-expert counts
+    s_.prefill_item_counters = ar.take<unsigned>(2);
     s_.wk = ar.take<float>(Tm * K);
     // expert rows: T k grouped, or E M padded + Lc k overflow for canvas-sized passes (moe_group_padded)
     const size_t pad_rows = E * size_t(padded_rows_capacity()) + Lc * K;

@@ -204,6 +204,10 @@ struct CudaOptions {
   // expert kernels (kernels_experts_prefill.cu) instead of the grouped mma.sync ones, on Hopper (sm_90a image).
   // Not bitwise the grouped kernels (another f32 summation order). A/B: bench --no-prefill-tma-experts.
   bool prefill_tma_experts = true;
+  // With prefill_tma_experts: the blocks claim their work items from a counter instead of striding over them, so
+  // those that start late (their SMs held by the dense MLP's GEMMs on the side stream) take fewer. Same results,
+  // bitwise. A/B: bench --static-prefill-items.
+  bool prefill_item_counter = true;
   // With tma_experts: gate_up reads each expert's token rows straight from the expert input (moe_assign_padded's
   // slot_token) instead of a gathered copy, so no gather kernel sits between the router and the experts. Same
   // results, bitwise. H200, same call: 4K step 17.64 / 17.63 ms against 18.14 with the gather (docs/BENCHMARKS.md,

@@ -498,11 +498,13 @@ void moe_down(const bf16* act, const int32_t* offsets, int E, int P, const bf16*
 // weights packed (pack_expert_gate_up / pack_expert_down; null: the map is read). Each output is one f32 sum in a
 // fixed k order (deterministic; not bitwise moe_gate_up / moe_down, whose summation order differs).
 // experts_prefill_supported: an sm_90 device with the sm_90a image, E <= 512, H a multiple of 128, I of 64.
+// item_counters (may be null): two zeroed unsigneds, left zeroed; the blocks then claim their work items from them
+// instead of striding over the items (the same results, bitwise), so that blocks starting late take fewer items.
 bool experts_prefill_supported(int E, int H, int I);
 void moe_gate_up_prefill_tma(const TmaMap& w, const bf16* w_packed, const bf16* xs, const int32_t* offsets, int E,
-                             int P, int H, int I, bf16* act, cudaStream_t s);
+                             int P, int H, int I, bf16* act, cudaStream_t s, unsigned* item_counters = nullptr);
 void moe_down_prefill_tma(const TmaMap& w, const bf16* w_packed, const bf16* act, const int32_t* offsets, int E,
-                          int P, int H, int I, ExpertRows y, cudaStream_t s);
+                          int P, int H, int I, ExpertRows y, cudaStream_t s, unsigned* item_counters = nullptr);
 // out[t] = sum over the token's k slots in ascending expert id of w[t, j] * y[sorted_pos[t*k + j]]   (f32)
 void moe_combine(ExpertRowsIn y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
                  float* out, cudaStream_t s);

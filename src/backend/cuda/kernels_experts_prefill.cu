@@ -17,9 +17,12 @@
 // token row). The ring runs on across items, so the next item's loads overlap this item's epilogue; each warpgroup
 // keeps one slice's wgmmas in flight while it waits for the next.
 //
-// Items are numbered expert by expert, an expert's (nt, j) with j fastest, and blocks stride over them: the token
+// Items are numbered expert by expert, an expert's (nt, j) with j fastest, and blocks take them in order: the token
 // tiles that share a weight tile run at the same time on neighbouring blocks (one DRAM read, the others from L2), and
-// an expert's token rows are re-read from L2 by its weight tiles. Every output element is one warpgroup's sum in a
+// an expert's token rows are re-read from L2 by its weight tiles. With item counters, a block's producer claims its
+// next item from a counter (its first is its block index) and hands each stage's item to the consumers beside the
+// stage, so a block that starts late (its SM held by the dense MLP's GEMMs on the side stream) takes fewer items;
+// without, blocks stride over the items. Every output element is one warpgroup's sum in a
 // fixed k order: deterministic, though not bitwise the grouped kernels' (another f32 summation order).
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -48,8 +51,9 @@ constexpr int kStageBytes = kWBytes + 2 * kXBytes;  // 49152
 constexpr int kStages = 4;
 constexpr int kThreads = 288;
 constexpr int kMaxExperts = 512;
-// alignment slack, the ring, its full and empty barriers, the experts' row offsets and item starts (E + 1 each)
-constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStages * 16 + 2 * (kMaxExperts + 1) * 4;
+// alignment slack, the ring, its full and empty barriers, each stage's item, the experts' row offsets and item starts
+// (E + 1 each)
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStages * 16 + kStages * 4 + 2 * (kMaxExperts + 1) * 4;
 static_assert(kWBytes % 1024 == 0 && kXBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte alignment");
 static_assert(kWBytes == 2 * kExpertPackedStageElems, "a packed stage is the weight tile's k slice");
 
@@ -60,18 +64,19 @@ using namespace hopper;
 
 // GATED (gate_up): tmW = the gate_up weights as [E 2I, H] (box {64, 64}), act[row][I] = bf16(gelu(gate) * up). Else
 // (down): tmW = [E H, I], y[row][H] (f32, or bf16 with y_bf16). w_packed: the same weights in expert_layout.h's
-// packed stages (then tmW is not read). tmX: the token rows (xs [P, H] or act [P, I]), box {64, 128}.
+// packed stages (then tmW is not read). tmX: the token rows (xs [P, H] or act [P, I]), box {64, 128}. item_ctr (may
+// be null: static stride): two zeroed unsigneds, the claim count and the blocks done; the last block zeroes both.
 template <bool GATED>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_prefill_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                       const bf16* __restrict__ w_packed, const int32_t* __restrict__ offsets, int E, int H, int I,
-                      bf16* __restrict__ act, void* __restrict__ y, bool y_bf16) {
+                      bf16* __restrict__ act, void* __restrict__ y, bool y_bf16, unsigned* __restrict__ item_ctr) {
 #if defined(DG_EXPERTS_PREFILL)
   const int tiles_n = GATED ? I / 64 : H / 128, K = GATED ? H : I, nk = K / kBK;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw), base = (raw + 1023u) & ~1023u;
-  const uint32_t full0 = base + kStages * kStageBytes, empty0 = full0 + 8 * kStages;
-  int* const offs = reinterpret_cast<int*>(smem_raw + (empty0 + 8 * kStages - raw));  // E + 1
+  const uint32_t full0 = base + kStages * kStageBytes, empty0 = full0 + 8 * kStages, item0 = empty0 + 8 * kStages;
+  int* const offs = reinterpret_cast<int*>(smem_raw + (item0 + 4 * kStages - raw));  // E + 1
   int* const item_start = offs + (E + 1);                                              // E + 1
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
 
@@ -119,7 +124,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint64_t policy;  // weights and token rows are both re-read (by the other token tiles / weight tiles) from L2
     asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
     uint32_t it = 0;
-    for (int item = int(blockIdx.x); item < n_items; item += int(gridDim.x)) {
+    auto next_item = [&](int item) {
+      return item_ctr ? int(atomicAdd(item_ctr, 1u)) + int(gridDim.x) : item + int(gridDim.x);
+    };
+    int item = int(blockIdx.x);
+    for (; item < n_items; item = next_item(item)) {
       const ExpertPrefillItem m = decode(item);
       const bool second = m.rows > kTokWG;  // warpgroup 1 has rows: its token box too
       const int row_a = GATED ? m.e * 2 * I + m.nt * 64 : m.e * H + m.nt * 128;
@@ -129,6 +138,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = int(it % kStages);
         mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);  // the fresh ring's first round passes at once
         const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
+        st_shared_s32(item0 + 4 * s, item);  // published by the arrive below (release) to the consumers' wait
         mbar_arrive_expect_tx(full, uint32_t(kWBytes + (second ? 2 : 1) * kXBytes));
         if (w_packed) {
           bulk_load(st, w_packed + expert_packed_stage(tile, nk, kt), kWBytes, full, policy);
@@ -140,12 +150,30 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (second) tma_load_2d(st + kWBytes + kXBytes, &tmX, kt * kBK, m.row0 + kTokWG, full, policy);
       }
     }
+    // The consumers learn that no item is left from the next stage's item slot.
+    const int s = int(it % kStages);
+    mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
+    st_shared_s32(item0 + 4 * s, -1);
+    mbar_arrive(full0 + 8 * s);
+    if (item_ctr) {  // every claim of this block is made; the last block to finish claiming resets the counters
+      __threadfence();
+      if (atomicAdd(item_ctr + 1, 1u) == gridDim.x - 1) {
+        atomicExch(item_ctr, 0u);
+        atomicExch(item_ctr + 1, 0u);
+      }
+    }
     return;
   }
 
   const int wg = warp >> 2, wl = warp & 3;
   uint32_t it = 0;
-  for (int item = int(blockIdx.x); item < n_items; item += int(gridDim.x)) {
+  for (;;) {
+    {
+      const int s = int(it % kStages);
+      mbar_wait(full0 + 8 * s, (it / kStages) & 1u);  // the stage stays full until this warpgroup hands it back
+    }
+    const int item = ld_shared_s32(item0 + 4 * int(it % kStages));
+    if (item < 0) break;
     const ExpertPrefillItem m = decode(item);
     const int mine = min(max(m.rows - wg * kTokWG, 0), kTokWG);  // this warpgroup's token rows
     const int row0 = m.row0 + wg * kTokWG;
@@ -232,7 +260,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <bool GATED>
 void launch_prefill(const char* who, const TmaMap& w, const bf16* w_packed, const bf16* x, int x_cols,
-                    const int32_t* offsets, int E, int P, int H, int I, bf16* act, ExpertRows y, cudaStream_t s) {
+                    const int32_t* offsets, int E, int P, int H, int I, bf16* act, ExpertRows y, unsigned* item_ctr,
+                    cudaStream_t s) {
   if (P <= 0) return;
   if (!experts_prefill_supported(E, H, I))
     throw_cuda_error(who, "needs an sm_90a device, E <= 512, H a multiple of 128 and I of 64", E, __FILE__, __LINE__);
@@ -243,7 +272,7 @@ void launch_prefill(const char* who, const TmaMap& w, const bf16* w_packed, cons
   std::memcpy(&mw, &w, sizeof mw);
   std::memcpy(&mx, &xm, sizeof mx);
   launch_pdl(experts_prefill_k<GATED>, dim3(unsigned(sm_count())), dim3(kThreads), size_t(kSmemBytes), s, mw, mx,
-             w_packed, offsets, E, H, I, act, y.p, y.is_bf16);
+             w_packed, offsets, E, H, I, act, y.p, y.is_bf16, item_ctr);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -262,13 +291,15 @@ bool experts_prefill_supported(int E, int H, int I) {
 }
 
 void moe_gate_up_prefill_tma(const TmaMap& w, const bf16* w_packed, const bf16* xs, const int32_t* offsets, int E,
-                             int P, int H, int I, bf16* act, cudaStream_t s) {
-  launch_prefill<true>("moe_gate_up_prefill_tma", w, w_packed, xs, H, offsets, E, P, H, I, act, nullptr, s);
+                             int P, int H, int I, bf16* act, cudaStream_t s, unsigned* item_counters) {
+  launch_prefill<true>("moe_gate_up_prefill_tma", w, w_packed, xs, H, offsets, E, P, H, I, act, nullptr,
+                       item_counters, s);
 }
 
 void moe_down_prefill_tma(const TmaMap& w, const bf16* w_packed, const bf16* act, const int32_t* offsets, int E,
-                          int P, int H, int I, ExpertRows y, cudaStream_t s) {
-  launch_prefill<false>("moe_down_prefill_tma", w, w_packed, act, I, offsets, E, P, H, I, nullptr, y, s);
+                          int P, int H, int I, ExpertRows y, cudaStream_t s, unsigned* item_counters) {
+  launch_prefill<false>("moe_down_prefill_tma", w, w_packed, act, I, offsets, E, P, H, I, nullptr, y, item_counters,
+                        s);
 }
 
 }  // namespace dg::cuda
