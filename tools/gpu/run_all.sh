@@ -170,6 +170,10 @@ fi
   [ -f "$OUT/bench_grouped.log" ] && grep -v uploading "$OUT/bench_grouped.log"
   echo "== gemm tuning (rc $t_rc)"; [ -f "$OUT/gemm_tune.log" ] && grep -E '^\{|GEMM tuning' "$OUT/gemm_tune.log"
   echo "== hf (rc $h_rc)"; [ -f "$OUT/hf.log" ] && grep -E 'prefill_ms|step|fail|Error' "$OUT/hf.log" | tail -20
+  # issue #5's acceptance from this call's numbers (tools/gpu/verdict.py; logged, not the script's exit code)
+  echo "== acceptance"
+  python3 tools/gpu/verdict.py --bench "$OUT/bench.json" --hf "$OUT/hf_bench.json" --kernels-rc "$k_rc" \
+    --parity-rc "$p_rc" --fullshape-rc "$f_rc"
 } | tee -a "$OUT/summary.txt"
 # A device call returns at most 8 files: everything but the summary and the bench JSON goes into one archive.
 (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude=summary.txt --exclude=bench.json \
