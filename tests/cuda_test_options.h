@@ -9,8 +9,8 @@
 // off, DIFFGEMMA_TEST_UNPACKED_EXPERTS=1 with CudaOptions::pack_expert_gate_up / pack_expert_down off,
 // DIFFGEMMA_TEST_LAYER_GRAPH=1 with CudaOptions::whole_step_graph off, DIFFGEMMA_TEST_DENSE_TMA=1 with
 // CudaOptions::dense_tma on (=2: with clusters of 2), DIFFGEMMA_TEST_TWO_TOKEN_TILES=1 with
-// CudaOptions::expert_two_token_tiles on, DIFFGEMMA_TEST_BF16_LOGITS=1 with CudaOptions::bf16_logits on,
-// DIFFGEMMA_TEST_PREFILL_GATHER=1 with CudaOptions::prefill_gather_rows on, so every path stays covered.
+// CudaOptions::expert_two_token_tiles on, DIFFGEMMA_TEST_BF16_LOGITS=1 with CudaOptions::bf16_logits on, so every path
+// stays covered.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -36,7 +36,6 @@ inline dg::CudaOptions cuda_test_options() {
   o.whole_step_graph = !flag("DIFFGEMMA_TEST_LAYER_GRAPH");
   o.expert_two_token_tiles = flag("DIFFGEMMA_TEST_TWO_TOKEN_TILES");
   o.bf16_logits = flag("DIFFGEMMA_TEST_BF16_LOGITS");
-  o.prefill_gather_rows = flag("DIFFGEMMA_TEST_PREFILL_GATHER");
   const char* dense = std::getenv("DIFFGEMMA_TEST_DENSE_TMA");
   o.dense_tma = dense != nullptr && (std::strcmp(dense, "1") == 0 || std::strcmp(dense, "2") == 0);
   if (o.dense_tma) o.dense_tma_cluster = std::strcmp(dense, "2") == 0 ? 2 : 1;
@@ -53,7 +52,6 @@ inline dg::CudaOptions cuda_test_options() {
     if (!o.whole_step_graph) std::fprintf(stderr, "[cuda tests] CudaOptions::whole_step_graph off\n");
     if (o.expert_two_token_tiles) std::fprintf(stderr, "[cuda tests] CudaOptions::expert_two_token_tiles on\n");
     if (o.bf16_logits) std::fprintf(stderr, "[cuda tests] CudaOptions::bf16_logits on\n");
-    if (o.prefill_gather_rows) std::fprintf(stderr, "[cuda tests] CudaOptions::prefill_gather_rows on\n");
     if (o.dense_tma) std::fprintf(stderr, "[cuda tests] CudaOptions::dense_tma on, clusters of %d\n", o.dense_tma_cluster);
     return true;
   }();

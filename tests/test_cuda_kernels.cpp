@@ -1144,16 +1144,7 @@ TEST(CudaKernels, MoePrefillExpertsWgmma) {
     std::vector<int32_t> offs(size_t(E) + 1, 0);
     for (int e = 0; e < E; ++e) offs[size_t(e) + 1] = offs[size_t(e)] + counts[size_t(e)];
     const int P = offs[size_t(E)], pad = 40;  // rows past P: poison that must survive
-    // The grouped rows are copies of token rows (row_token), as moe_group makes them: the gathered gate_up reads
-    // the token rows themselves and must give the same bits.
-    const int n_tok = P / 3 + 5;
-    std::vector<int32_t> row_token(size_t(std::max(P, 1)));
-    for (int r = 0; r < P; ++r) row_token[size_t(r)] = int32_t((size_t(r) * 7 + 3) % size_t(n_tok));
-    auto x_tok = rnd(size_t(n_tok) * H);
-    std::vector<float> x(size_t(P) * H);
-    for (int r = 0; r < P; ++r)
-      std::copy_n(x_tok.begin() + ptrdiff_t(size_t(row_token[size_t(r)]) * H), H, x.begin() + ptrdiff_t(size_t(r) * H));
-    auto gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
+    auto x = rnd(size_t(P) * H), gu = rnd(size_t(E) * 2 * I * H, -0.1f, 0.1f), dn = rnd(size_t(E) * H * I, -0.1f, 0.1f);
     Dev<bf16> dx(x.size()), dgu(gu.size()), ddn(dn.size()), act(size_t(P + pad) * I);
     Dev<int32_t> doff(offs.size());
     Dev<float> y(size_t(P + pad) * H);
@@ -1215,64 +1206,6 @@ TEST(CudaKernels, MoePrefillExpertsWgmma) {
     moe_gate_up_prefill_tma(gu_map, nullptr, dx.p, doff.p, E, P, H, I, act_pk.p, nullptr);
     const auto a2 = act_pk.get();
     EXPECT_EQ(std::memcmp(a2.data(), a16.data(), size_t(P) * I * sizeof(bf16)), 0) << "rerun, " << what;
-    // The token rows read in place (row_token), weights packed or through the map, with and without item counters.
-    Dev<bf16> dxt(x_tok.size());
-    Dev<int32_t> drt(row_token.size());
-    dxt.put(to_bf16(x_tok)), drt.put(row_token);
-    for (const bool packed : {false, true})
-      for (unsigned* ctr : {static_cast<unsigned*>(nullptr), items.p}) {
-        Dev<bf16> act_g(size_t(P + pad) * I);
-        CUDA_CHECK(cudaMemset(act_g.p, 0xFF, size_t(P + pad) * I * sizeof(bf16)));
-        moe_gate_up_prefill_tma_gathered(gu_map, packed ? gu_pk.p : nullptr, dxt.p, drt.p, doff.p, E, P, H, I,
-                                         act_g.p, nullptr, ctr);
-        const auto ag = act_g.get();
-        const std::string how = std::string(packed ? "packed" : "map") + (ctr ? ", item counter, " : ", stride, ");
-        EXPECT_EQ(std::memcmp(ag.data(), a16.data(), size_t(P) * I * sizeof(bf16)), 0) << "gathered rows, " << how
-                                                                                       << what;
-        const std::vector<unsigned char> poison(size_t(pad) * I * sizeof(bf16), 0xFF);
-        EXPECT_EQ(std::memcmp(ag.data() + size_t(P) * I, poison.data(), poison.size()), 0)
-            << "gathered: rows past P written, " << how << what;
-      }
-    EXPECT_EQ(items.get(), (std::vector<unsigned>{0u, 0u})) << "item counters left zeroed (gathered), " << what;
-  }
-}
-
-// moe_assign_padded with M = 0 (moe_group's grouping): offsets the exclusive prefix of the experts' pair counts,
-// every grouped row assigned once inside its expert's range, and (slot_token of T k ints) the token of each row.
-TEST(CudaKernels, MoeAssignGroupedRowTokens) {
-  REQUIRE_GPU();
-  for (auto [T, E, k] : {std::tuple{4096, 128, 8}, std::tuple{37, 6, 2}, std::tuple{3000, 128, 8}}) {
-    const int P = T * k;
-    std::mt19937 g(uint32_t(T * 31 + E));
-    std::vector<int32_t> idx(static_cast<size_t>(P));
-    for (int t = 0; t < T; ++t) {  // k distinct experts a token, skewed towards the low ids
-      std::vector<int32_t> pick;
-      while (int(pick.size()) < k) {
-        const int e = int(std::min<uint32_t>(g() % uint32_t(E), g() % uint32_t(E)));
-        if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
-      }
-      std::copy(pick.begin(), pick.end(), idx.begin() + ptrdiff_t(t) * k);
-    }
-    Dev<int32_t> didx(idx.size()), offs(size_t(E) + 1), spos(idx.size()), rt(idx.size());
-    didx.put(idx);
-    moe_assign_padded(didx.p, T, k, E, /*M=*/0, offs.p, spos.p, nullptr, rt.p, nullptr);
-    const auto go = offs.get();
-    const auto gs = spos.get();
-    const auto gt = rt.get();
-    const std::string what = "T " + std::to_string(T) + " E " + std::to_string(E);
-    std::vector<int> cnt(size_t(E), 0), seen(size_t(P), 0);
-    for (int i = 0; i < P; ++i) ++cnt[size_t(idx[size_t(i)])];
-    int run = 0;
-    for (int e = 0; e <= E; ++e) {
-      ASSERT_EQ(go[size_t(e)], run) << what << " offset of expert " << e;
-      if (e < E) run += cnt[size_t(e)];
-    }
-    for (int i = 0; i < P; ++i) {
-      const int e = idx[size_t(i)], r = gs[size_t(i)];
-      ASSERT_TRUE(r >= go[size_t(e)] && r < go[size_t(e) + 1]) << what << " pair " << i << " row " << r;
-      ASSERT_EQ(++seen[size_t(r)], 1) << what << " row " << r << " assigned twice";
-      ASSERT_EQ(gt[size_t(r)], i / k) << what << " token of row " << r;
-    }
   }
 }
 

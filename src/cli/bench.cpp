@@ -39,7 +39,7 @@ struct BenchArgs {
   std::vector<std::string> gemm_untable, gemm_configs;
   int dense_mlp_sms = -1;  // -1: CudaOptions' default
   bool cublas_experts = false, tma_experts_down = false, no_tma_gather = false, static_expert_tiles = false;
-  bool no_prefill_tma_experts = false, static_prefill_items = false, prefill_gather = false;
+  bool no_prefill_tma_experts = false, static_prefill_items = false;
   int attn_splits = 0;
   int qkv_rope_warps = 0;  // 0: the default (cuda::set_qkv_rope_max_warps)
   std::string experts_timeline;  // CSV path: the fused expert kernel's tiles in one extra step (diagnostics)
@@ -210,7 +210,6 @@ int run_bench(const BenchArgs& args) {
   opt.tma_experts = !args.cublas_experts;
   opt.prefill_tma_experts = !args.no_prefill_tma_experts;
   opt.prefill_item_counter = !args.static_prefill_items;
-  opt.prefill_gather_rows = args.prefill_gather;
   opt.tma_experts_down = args.tma_experts_down;
   opt.tma_gather_rows = !args.no_tma_gather;
   opt.dynamic_expert_tiles = !args.static_expert_tiles;
@@ -314,7 +313,6 @@ int run_bench(const BenchArgs& args) {
   out["tma_gather_rows"] = !args.no_tma_gather;
   out["prefill_tma_experts"] = !args.no_prefill_tma_experts;
   out["prefill_item_counter"] = opt.prefill_item_counter;
-  out["prefill_gather_rows"] = opt.prefill_gather_rows;
   out["dynamic_expert_tiles"] = opt.dynamic_expert_tiles;
   out["attention_splits"] = args.attn_splits;
   out["qkv_rope_warps"] = args.qkv_rope_warps;
@@ -618,9 +616,6 @@ CommandRegistrar reg("bench", "Time denoise steps and prefill on the GPU (synthe
                        sub.add_flag("--static-prefill-items", a->static_prefill_items,
                                     "A/B: the prefill expert kernels' blocks stride over their work items instead "
                                     "of claiming them from a counter (CudaOptions::prefill_item_counter = false)");
-                       sub.add_flag("--prefill-gather", a->prefill_gather,
-                                    "A/B: prefill chunks' gate_up reads the experts' token rows in place instead of "
-                                    "a copy gathered by a pass of its own (CudaOptions::prefill_gather_rows = true)");
                        sub.add_flag("--no-tma-gather", a->no_tma_gather,
                                     "A/B: the TMA gate_up reads a gathered copy of the token rows (the gather kernel "
                                     "before it) instead of the expert input itself (CudaOptions::tma_gather_rows)");

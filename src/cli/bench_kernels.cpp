@@ -438,12 +438,6 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
     const std::string gp = std::to_string(Tp) + " tokens, " + std::to_string(Tp * K) + " rows grouped";
     add("moe_group (prefill)", gp, double(Tp) * K * H * 4, 0,
         [=](cudaStream_t st) { cuda::moe_group(didx, Tp, K, E, xp, H, off, sp2, xsp, st); });
-    // CudaOptions::prefill_gather_rows: only the assignment (with each row's token), gate_up reading x itself
-    int32_t* rtok = ar.take<int32_t>(pidx.size());
-    cuda::moe_assign_padded(didx, Tp, K, E, 0, off, sp2, nullptr, rtok, s);
-    add("moe_assign_padded, M = 0, row tokens (prefill, engine)", gp, double(Tp) * K * 12, 0, [=](cudaStream_t st) {
-      cuda::moe_assign_padded(didx, Tp, K, E, 0, off, sp2, nullptr, rtok, st);
-    });
     add("moe_gate_up grouped (prefill)", gp, gu_bytes + double(Tp) * K * (H + Ie) * 2, 2.0 * Tp * K * H * 2 * Ie,
         [=](cudaStream_t st) { cuda::moe_gate_up(xsp, off, E, Tp * K, wgu, H, Ie, actp, st); });
     if (wgu_packed) {
@@ -470,14 +464,9 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
             gu_bytes + double(Tp) * K * (H + Ie) * 2, 2.0 * Tp * K * H * 2 * Ie, [=](cudaStream_t st) {
               cuda::moe_gate_up_prefill_tma(gu_map, wgu_packed, xsp, off, E, Tp * K, H, Ie, actp, st);
             });
-        add("moe_gate_up_prefill_tma (prefill, wgmma), packed weights, item counter", gp,
+        add("moe_gate_up_prefill_tma (prefill, wgmma), packed weights, item counter (engine)", gp,
             gu_bytes + double(Tp) * K * (H + Ie) * 2, 2.0 * Tp * K * H * 2 * Ie, [=](cudaStream_t st) {
               cuda::moe_gate_up_prefill_tma(gu_map, wgu_packed, xsp, off, E, Tp * K, H, Ie, actp, st, tiles);
-            });
-        add("moe_gate_up_prefill_tma_gathered (token rows from x), packed weights, item counter (engine)", gp,
-            gu_bytes + double(Tp) * K * (H + Ie) * 2, 2.0 * Tp * K * H * 2 * Ie, [=](cudaStream_t st) {
-              cuda::moe_gate_up_prefill_tma_gathered(gu_map, wgu_packed, xp, rtok, off, E, Tp * K, H, Ie, actp, st,
-                                                     tiles);
             });
       }
       add("moe_down_prefill_tma (prefill, wgmma), static items", gp, dn_bytes + double(Tp) * K * (Ie * 2 + H * 4),

@@ -71,22 +71,20 @@ fi
 # the checkpoint layout (2D tensor-map boxes); LAYER_GRAPH=1: only the layers of a denoise step as one
 # CUDA graph (CudaOptions::whole_step_graph off); DENSE_TMA=1 (or 2: clusters of 2): qkv / o_proj on the split-K
 # Hopper GEMM (CudaOptions::dense_tma); TWO_TOKEN_TILES=1: up to 64 rows an expert in the fused expert launch
-# (CudaOptions::expert_two_token_tiles); BF16_LOGITS=1: the lm_head's logits in bf16 (CudaOptions::bf16_logits);
-# PREFILL_GATHER=1: prefill gate_up reading the token rows in place (CudaOptions::prefill_gather_rows).
+# (CudaOptions::expert_two_token_tiles); BF16_LOGITS=1: the lm_head's logits in bf16 (CudaOptions::bf16_logits).
 # CUBLAS_ROUTER=1 applies to this run too.
 te_rc=skipped
 if [ "${CUBLAS_EXPERTS:-0}" = 1 ] || [ "${TMA_EXPERTS_DOWN:-0}" = 1 ] || [ "${NO_TMA_GATHER:-0}" = 1 ] ||
   [ "${STATIC_EXPERT_TILES:-0}" = 1 ] || [ "${ROUTER_TC:-0}" = 1 ] ||
   [ "${UNFUSED_EXPERTS:-0}" = 1 ] || [ "${UNPACKED_EXPERTS:-0}" = 1 ] || [ "${LAYER_GRAPH:-0}" = 1 ] ||
-  [ "${DENSE_TMA:-0}" != 0 ] || [ "${TWO_TOKEN_TILES:-0}" = 1 ] || [ "${BF16_LOGITS:-0}" = 1 ] ||
-  [ "${PREFILL_GATHER:-0}" = 1 ]; then
+  [ "${DENSE_TMA:-0}" != 0 ] || [ "${TWO_TOKEN_TILES:-0}" = 1 ] || [ "${BF16_LOGITS:-0}" = 1 ]; then
   DIFFGEMMA_TEST_CUBLAS_EXPERTS=${CUBLAS_EXPERTS:-0} DIFFGEMMA_TEST_TMA_EXPERTS_DOWN=${TMA_EXPERTS_DOWN:-0} \
     DIFFGEMMA_TEST_NO_TMA_GATHER=${NO_TMA_GATHER:-0} DIFFGEMMA_TEST_STATIC_EXPERT_TILES=${STATIC_EXPERT_TILES:-0} \
     DIFFGEMMA_TEST_CUBLAS_ROUTER=${CUBLAS_ROUTER:-0} \
     DIFFGEMMA_TEST_ROUTER_TC=${ROUTER_TC:-0} DIFFGEMMA_TEST_UNFUSED_EXPERTS=${UNFUSED_EXPERTS:-0} \
     DIFFGEMMA_TEST_UNPACKED_EXPERTS=${UNPACKED_EXPERTS:-0} DIFFGEMMA_TEST_LAYER_GRAPH=${LAYER_GRAPH:-0} \
     DIFFGEMMA_TEST_DENSE_TMA=${DENSE_TMA:-0} DIFFGEMMA_TEST_TWO_TOKEN_TILES=${TWO_TOKEN_TILES:-0} \
-    DIFFGEMMA_TEST_BF16_LOGITS=${BF16_LOGITS:-0} DIFFGEMMA_TEST_PREFILL_GATHER=${PREFILL_GATHER:-0} \
+    DIFFGEMMA_TEST_BF16_LOGITS=${BF16_LOGITS:-0} \
     DIFFGEMMA_FULLSHAPE_DIR="$FS_DIR" LD_LIBRARY_PATH="$LIBS" timeout 300 \
     "$DIST/diffgemma_tests" --gtest_filter='*CudaParity*:CudaFullShape.*' >"$OUT/parity_experts_path.log" 2>&1
   te_rc=$?
@@ -158,7 +156,7 @@ fi
     "CUBLAS_ROUTER=${CUBLAS_ROUTER:-0} ROUTER_TC=${ROUTER_TC:-0}" \
     "UNFUSED_EXPERTS=${UNFUSED_EXPERTS:-0} UNPACKED_EXPERTS=${UNPACKED_EXPERTS:-0}" \
     "LAYER_GRAPH=${LAYER_GRAPH:-0} DENSE_TMA=${DENSE_TMA:-0} TWO_TOKEN_TILES=${TWO_TOKEN_TILES:-0}" \
-    "BF16_LOGITS=${BF16_LOGITS:-0} PREFILL_GATHER=${PREFILL_GATHER:-0} (rc $te_rc)"
+    "BF16_LOGITS=${BF16_LOGITS:-0} (rc $te_rc)"
   [ -f "$OUT/parity_experts_path.log" ] && grep -E '^\[parity\]|^\[fullshape\] (nosc|sc|commit|two|auto) |^\[  (FAILED|  OK) \]' "$OUT/parity_experts_path.log"
   echo "== full shape vs HF (rc $f_rc)"
   [ -f "$OUT/fullshape_fixture.log" ] && grep -E 'FAIL|WARN|agree|cosine|Error' "$OUT/fullshape_fixture.log" | tail -12

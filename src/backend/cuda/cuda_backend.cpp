@@ -71,7 +71,6 @@ struct Scratch {
                                    // zeroed by every launch
   unsigned* prefill_item_counters;  // the prefill expert kernels' item counters (CudaOptions::prefill_item_counter),
                                     // the same contract
-  int32_t* row_token;               // [Tm k]: the token of each grouped row (CudaOptions::prefill_gather_rows)
   cuda::DeviceRowStats* stats;
   void* row_stats_scratch;     // softcap_row_stats partials
   float* probs_scale;          // [canvas] the probs' row factors (CudaOptions::fused_sc_probs)
@@ -1259,22 +1258,12 @@ class CudaBackend final : public Backend {
       if (!overlap) overflow_down(stream_);
       mark(kStDown);
     } else {
-      // CudaOptions::prefill_gather_rows: gate_up reads each grouped row's token row from xe itself.
-      const bool gather_rows = use_prefill_tma_ && opt_.prefill_gather_rows;
-      if (gather_rows)
-        cuda::moe_assign_padded(s_.idx, T, K, E, /*M=*/0, s_.offsets, s_.sorted_pos, nullptr, s_.row_token, stream_);
-      else
-        cuda::moe_group(s_.idx, T, K, E, s_.xe, H, s_.offsets, s_.sorted_pos, s_.xs, stream_);
+      cuda::moe_group(s_.idx, T, K, E, s_.xe, H, s_.offsets, s_.sorted_pos, s_.xs, stream_);
       mark(kStGroup);
       if (use_prefill_tma_) {  // CudaOptions::prefill_tma_experts
         unsigned* const items = opt_.prefill_item_counter ? s_.prefill_item_counters : nullptr;
-        const bf16* const gu_packed = L.gu_packed ? L.exp_gu : nullptr;
-        if (gather_rows)
-          cuda::moe_gate_up_prefill_tma_gathered(L.exp_gu_map, gu_packed, s_.xe, s_.row_token, s_.offsets, E, T * K,
-                                                 H, Ie, s_.acte, stream_, items);
-        else
-          cuda::moe_gate_up_prefill_tma(L.exp_gu_map, gu_packed, s_.xs, s_.offsets, E, T * K, H, Ie, s_.acte, stream_,
-                                        items);
+        cuda::moe_gate_up_prefill_tma(L.exp_gu_map, L.gu_packed ? L.exp_gu : nullptr, s_.xs, s_.offsets, E, T * K, H,
+                                      Ie, s_.acte, stream_, items);
         mark(kStGateUp);
         cuda::moe_down_prefill_tma(L.exp_down_map, L.dn_packed ? L.exp_down : nullptr, s_.acte, s_.offsets, E, T * K,
                                    H, Ie, y, stream_, items);
@@ -1356,7 +1345,6 @@ class CudaBackend final : public Backend {
     s_.expert_masks = ar.take<unsigned>(cuda::expert_mask_words(int(Lc), int(E)));
     s_.expert_tile_counters = ar.take<unsigned>(2 + E);  // + the fused experts' per-expert counts
     s_.prefill_item_counters = ar.take<unsigned>(2);
-    s_.row_token = ar.take<int32_t>(Tm * K);
     s_.wk = ar.take<float>(Tm * K);
     // expert rows: T k grouped, or E M padded + Lc k overflow for canvas-sized passes (moe_group_padded)
     const size_t pad_rows = E * size_t(padded_rows_capacity()) + Lc * K;

@@ -208,12 +208,6 @@ struct CudaOptions {
   // those that start late (their SMs held by the dense MLP's GEMMs on the side stream) take fewer. Same results,
   // bitwise. A/B: bench --static-prefill-items.
   bool prefill_item_counter = true;
-  // With prefill_tma_experts: gate_up reads each grouped row's token row from the expert input itself
-  // (cuda::moe_gate_up_prefill_tma_gathered) instead of a gathered copy, so no gather pass (~100 us a layer at 4096
-  // tokens) runs between the router and the experts. Same results, bitwise (CudaKernels.MoePrefillExpertsWgmma).
-  // Off until a GPU call has run its tests and timed it (written in session 35, when none could be started):
-  // bench --prefill-gather turns it on.
-  bool prefill_gather_rows = false;
   // With tma_experts: gate_up reads each expert's token rows straight from the expert input (moe_assign_padded's
   // slot_token) instead of a gathered copy, so no gather kernel sits between the router and the experts. Same
   // results, bitwise. H200, same call: 4K step 17.64 / 17.63 ms against 18.14 with the gather (docs/BENCHMARKS.md,

@@ -295,8 +295,7 @@ void moe_group_padded(const int32_t* idx, int T, int k, int E, const bf16* x, in
                       int32_t* sorted_pos, bf16* xs, cudaStream_t s, int32_t* meta = nullptr);
 // moe_group_padded's first half (no gather). slot_token (E M ints, may be null): slot_token[e M + slot] = the token
 // of the pair in padded slot slot < rows of expert e (meta[1 + E + e]); other entries are left as they are. For
-// moe_gate_up_padded_tma_gathered, which reads the token rows from x itself. With M = 0 (moe_group's grouping, no
-// padding) slot_token needs T k ints: the token of every grouped row (for moe_gate_up_prefill_tma_gathered).
+// moe_gate_up_padded_tma_gathered, which reads the token rows from x itself.
 // threads: the single block's size (a multiple of 32, at most 1024); fewer lets it run beside a kernel that holds
 // most of every SM's registers (the fused TMA experts leave ~23K), at the same results.
 // heavy_experts (may be null): *heavy_experts = the number of experts with more than heavy_rows pairs (a plain store,
@@ -506,12 +505,6 @@ void moe_gate_up_prefill_tma(const TmaMap& w, const bf16* w_packed, const bf16* 
                              int P, int H, int I, bf16* act, cudaStream_t s, unsigned* item_counters = nullptr);
 void moe_down_prefill_tma(const TmaMap& w, const bf16* w_packed, const bf16* act, const int32_t* offsets, int E,
                           int P, int H, int I, ExpertRows y, cudaStream_t s, unsigned* item_counters = nullptr);
-// moe_gate_up_prefill_tma with the token rows read from x [T, H] itself: row_token[row] = the token of grouped row
-// `row` < P (moe_assign_padded with M = 0), so no gather pass precedes it. x 16-byte aligned. Bitwise the results of
-// moe_gate_up_prefill_tma on the gathered rows.
-void moe_gate_up_prefill_tma_gathered(const TmaMap& w, const bf16* w_packed, const bf16* x, const int32_t* row_token,
-                                      const int32_t* offsets, int E, int P, int H, int I, bf16* act, cudaStream_t s,
-                                      unsigned* item_counters = nullptr);
 // out[t] = sum over the token's k slots in ascending expert id of w[t, j] * y[sorted_pos[t*k + j]]   (f32)
 void moe_combine(ExpertRowsIn y, const int32_t* idx, const float* w, const int32_t* sorted_pos, int T, int k, int H,
                  float* out, cudaStream_t s);

@@ -17,15 +17,6 @@
 // token row). The ring runs on across items, so the next item's loads overlap this item's epilogue; each warpgroup
 // keeps one slice's wgmmas in flight while it waits for the next.
 //
-// GATHER (gate_up only): the token rows come straight from the expert input x [T, H] (row_token[row] = the token of
-// grouped row `row`: moe_assign_padded with M = 0) instead of moe_group's gathered copy, so no gather pass (~100 us a
-// layer at 4096 tokens: 185 MB read and written) runs between the router and the experts. The whole producer warp
-// then loads the item's token rows, eight lanes a row (16-byte cp.async each into the 128-byte-swizzled layout the
-// TMA boxes would have written), and each lane arrives on a stage's full barrier once its copies have landed (one
-// stage behind its issue: cp.async.wait_group, then fence.proxy.async for the tensor cores), as the gathered TMA
-// expert kernel's producer does; the full barriers then count 1 + 32 arrivals. Rows past the item's are not loaded:
-// their columns are computed from stale shared memory and never stored.
-//
 // Items are numbered expert by expert, an expert's (nt, j) with j fastest, and blocks take them in order: the token
 // tiles that share a weight tile run at the same time on neighbouring blocks (one DRAM read, the others from L2), and
 // an expert's token rows are re-read from L2 by its weight tiles. With item counters, a block's producer claims its
@@ -53,7 +44,7 @@ namespace {
 
 constexpr int kBK = 64;                             // k per stage: 64 bf16 = one 128-byte swizzle row
 constexpr int kTokWG = 128;                         // token rows of a warpgroup (its widest wgmma N)
-constexpr int kTokItem = 2 * kTokWG;                // token rows of an item
+[[maybe_unused]] constexpr int kTokItem = 2 * kTokWG;  // token rows of an item (device code only)
 constexpr int kWBytes = 128 * kBK * 2;              // 16384: the weight tile's k slice (two 64-row halves)
 constexpr int kXBytes = kTokWG * kBK * 2;           // 16384: a warpgroup's token box
 constexpr int kStageBytes = kWBytes + 2 * kXBytes;  // 49152
@@ -61,9 +52,8 @@ constexpr int kStages = 4;
 constexpr int kThreads = 288;
 constexpr int kMaxExperts = 512;
 // alignment slack, the ring, its full and empty barriers, each stage's item, the experts' row offsets and item starts
-// (E + 1 each), the gathering producer's token of each row of its item
-constexpr int kSmemBytes =
-    1024 + kStages * kStageBytes + kStages * 16 + kStages * 4 + 2 * (kMaxExperts + 1) * 4 + kTokItem * 4;
+// (E + 1 each)
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStages * 16 + kStages * 4 + 2 * (kMaxExperts + 1) * 4;
 static_assert(kWBytes % 1024 == 0 && kXBytes % 1024 == 0, "128B-swizzled boxes need 1024-byte alignment");
 static_assert(kWBytes == 2 * kExpertPackedStageElems, "a packed stage is the weight tile's k slice");
 
@@ -76,14 +66,11 @@ using namespace hopper;
 // (down): tmW = [E H, I], y[row][H] (f32, or bf16 with y_bf16). w_packed: the same weights in expert_layout.h's
 // packed stages (then tmW is not read). tmX: the token rows (xs [P, H] or act [P, I]), box {64, 128}. item_ctr (may
 // be null: static stride): two zeroed unsigneds, the claim count and the blocks done; the last block zeroes both.
-// GATHER: tmX is not read; xg [T, H] and row_token [P] give the token rows instead.
-template <bool GATED, bool GATHER>
+template <bool GATED>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_prefill_k(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmX,
                       const bf16* __restrict__ w_packed, const int32_t* __restrict__ offsets, int E, int H, int I,
-                      bf16* __restrict__ act, void* __restrict__ y, bool y_bf16, unsigned* __restrict__ item_ctr,
-                      const bf16* __restrict__ xg, const int32_t* __restrict__ row_token) {
-  static_assert(GATED || !GATHER, "only gate_up gathers its token rows");
+                      bf16* __restrict__ act, void* __restrict__ y, bool y_bf16, unsigned* __restrict__ item_ctr) {
 #if defined(DG_EXPERTS_PREFILL)
   const int tiles_n = GATED ? I / 64 : H / 128, K = GATED ? H : I, nk = K / kBK;
   extern __shared__ unsigned char smem_raw[];
@@ -91,13 +78,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t full0 = base + kStages * kStageBytes, empty0 = full0 + 8 * kStages, item0 = empty0 + 8 * kStages;
   int* const offs = reinterpret_cast<int*>(smem_raw + (item0 + 4 * kStages - raw));  // E + 1
   int* const item_start = offs + (E + 1);                                              // E + 1
-  int* const item_tok = item_start + (kMaxExperts + 1);                                // kTokItem (GATHER)
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
 
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full0 + 8 * s, GATHER ? 33 : 1);  // the producer's arrive.expect_tx (+ its 32 lanes), the bytes
+      mbar_init(full0 + 8 * s, 1);   // the producer's arrive.expect_tx, then the stage's bytes
       mbar_init(empty0 + 8 * s, 8);  // one arrive per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -131,83 +117,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Item -> expert, weight tile, first token row and its token rows (<= 256): expert_items.h.
   auto decode = [&](int item) { return expert_prefill_item_at(item, item_start, offs, E, kTokItem); };
 
-  if (GATHER && warp == 8) {
-    uint64_t policy;  // the weights are re-read by the other token tiles from L2
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
-    if (lane == 0) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmW)) : "memory");
-    const int q = lane >> 3, c = lane & 7;  // this lane's first row of every four, and its 16-byte chunk of a row
-    uint32_t it = 0, pend = 0;
-    bool have_pend = false;
-    int item = int(blockIdx.x);
-    while (item < n_items) {
-      const ExpertPrefillItem m = decode(item);
-      __syncwarp();  // every lane's reads of the previous item's tokens are done
-      for (int r = lane; r < kTokItem; r += 32) item_tok[r] = r < m.rows ? __ldcg(row_token + m.row0 + r) : -1;
-      __syncwarp();
-      const int row_a = m.e * 2 * I + m.nt * 64, row_b = row_a + I;
-      const size_t tile = size_t(m.e) * size_t(tiles_n) + size_t(m.nt);
-      const int quads = (m.rows + 3) >> 2;
-      for (int kt = 0; kt < nk; ++kt, ++it) {
-        const int s = int(it % kStages);
-        mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
-        const uint32_t st = base + uint32_t(s) * kStageBytes, full = full0 + 8 * s;
-        if (lane == 0) {
-          st_shared_s32(item0 + 4 * s, item);  // published by this lane's arrivals (release) to the consumers' wait
-          mbar_arrive_expect_tx(full, uint32_t(kWBytes));
-          if (w_packed) {
-            bulk_load(st, w_packed + expert_packed_stage(tile, nk, kt), kWBytes, full, policy);
-          } else {
-            tma_load_2d(st, &tmW, kt * kBK, row_a, full, policy);
-            tma_load_2d(st + kWBytes / 2, &tmW, kt * kBK, row_b, full, policy);
-          }
-        }
-        const bf16* const xk = xg + size_t(kt) * kBK + size_t(c) * 8;
-#pragma unroll 4
-        for (int i = 0; i < quads; ++i) {
-          const int r = q + 4 * i, tok = item_tok[r];  // r < kTokItem: rows past m.rows read -1
-          if (tok >= 0) {
-            const int ri = r & (kTokWG - 1);
-            const uint32_t dst = st + uint32_t(kWBytes + (r >> 7) * kXBytes + ri * 128) +
-                                 (uint32_t(c ^ (ri & 7)) << 4);
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(xk + size_t(tok) * size_t(H))
-                         : "memory");
-          }
-        }
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
-        if (have_pend) {  // the previous stage's rows have landed: make them visible to wgmma, then arrive
-          asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-          mbar_arrive(pend);
-        }
-        pend = full, have_pend = true;
-      }
-      int next = 0;
-      if (lane == 0) next = item_ctr ? int(atomicAdd(item_ctr, 1u)) + int(gridDim.x) : item + int(gridDim.x);
-      item = __shfl_sync(0xffffffffu, next, 0);
-    }
-    if (have_pend) {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      mbar_arrive(pend);
-    }
-    // One more stage without data: item -1 ends the consumers' loop (1 + 32 arrivals, no bytes).
-    const int s = int(it % kStages);
-    mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
-    if (lane == 0) {
-      st_shared_s32(item0 + 4 * s, -1);
-      mbar_arrive(full0 + 8 * s);
-    }
-    __syncwarp();
-    mbar_arrive(full0 + 8 * s);
-    if (item_ctr && lane == 0) {  // as below
-      __threadfence();
-      if (atomicAdd(item_ctr + 1, 1u) == gridDim.x - 1) {
-        atomicExch(item_ctr, 0u);
-        atomicExch(item_ctr + 1, 0u);
-      }
-    }
-    return;
-  }
   if (warp == 8) {
     if (lane != 0) return;
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmW)) : "memory");
@@ -349,32 +258,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// row_token null: x is the grouped rows [P, x_cols] (read by TMA); else x is [T, x_cols], row_token [P] (GATHER).
 template <bool GATED>
 void launch_prefill(const char* who, const TmaMap& w, const bf16* w_packed, const bf16* x, int x_cols,
-                    const int32_t* row_token, const int32_t* offsets, int E, int P, int H, int I, bf16* act,
-                    ExpertRows y, unsigned* item_ctr, cudaStream_t s) {
+                    const int32_t* offsets, int E, int P, int H, int I, bf16* act, ExpertRows y, unsigned* item_ctr,
+                    cudaStream_t s) {
   if (P <= 0) return;
   if (!experts_prefill_supported(E, H, I))
     throw_cuda_error(who, "needs an sm_90a device, E <= 512, H a multiple of 128 and I of 64", E, __FILE__, __LINE__);
   if ((reinterpret_cast<uintptr_t>(w_packed) & 15) != 0)
     throw_cuda_error(who, "packed expert weights must be 16-byte aligned", 0, __FILE__, __LINE__);
+  const TmaMap xm = tma_map_bf16_rows(x, P, x_cols, kTokWG);
   CUtensorMap mw, mx;
   std::memcpy(&mw, &w, sizeof mw);
-  if (row_token) {
-    if ((reinterpret_cast<uintptr_t>(x) & 15) != 0)
-      throw_cuda_error(who, "the token rows must be 16-byte aligned", 0, __FILE__, __LINE__);
-    std::memcpy(&mx, &w, sizeof mx);  // not read
-    if constexpr (GATED)
-      launch_pdl(experts_prefill_k<true, true>, dim3(unsigned(sm_count())), dim3(kThreads), size_t(kSmemBytes), s, mw,
-                 mx, w_packed, offsets, E, H, I, act, y.p, y.is_bf16, item_ctr, x, row_token);
-  } else {
-    const TmaMap xm = tma_map_bf16_rows(x, P, x_cols, kTokWG);
-    std::memcpy(&mx, &xm, sizeof mx);
-    launch_pdl(experts_prefill_k<GATED, false>, dim3(unsigned(sm_count())), dim3(kThreads), size_t(kSmemBytes), s, mw,
-               mx, w_packed, offsets, E, H, I, act, y.p, y.is_bf16, item_ctr, static_cast<const bf16*>(nullptr),
-               static_cast<const int32_t*>(nullptr));
-  }
+  std::memcpy(&mx, &xm, sizeof mx);
+  launch_pdl(experts_prefill_k<GATED>, dim3(unsigned(sm_count())), dim3(kThreads), size_t(kSmemBytes), s, mw, mx,
+             w_packed, offsets, E, H, I, act, y.p, y.is_bf16, item_ctr);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -383,9 +281,10 @@ void launch_prefill(const char* who, const TmaMap& w, const bf16* w_packed, cons
 bool experts_prefill_supported(int E, int H, int I) {
   if (E < 1 || E > kMaxExperts || H <= 0 || I <= 0 || H % 128 != 0 || I % 64 != 0) return false;
   static const bool ok = [] {
-    if (!sm90a_image_of(experts_prefill_k<true, false>)) return false;
-    for (auto* k : {experts_prefill_k<true, false>, experts_prefill_k<true, true>, experts_prefill_k<false, false>})
-      CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    if (!sm90a_image_of(experts_prefill_k<true>)) return false;
+    CUDA_CHECK(cudaFuncSetAttribute(experts_prefill_k<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    CUDA_CHECK(
+        cudaFuncSetAttribute(experts_prefill_k<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     return true;
   }();
   return ok;
@@ -393,21 +292,14 @@ bool experts_prefill_supported(int E, int H, int I) {
 
 void moe_gate_up_prefill_tma(const TmaMap& w, const bf16* w_packed, const bf16* xs, const int32_t* offsets, int E,
                              int P, int H, int I, bf16* act, cudaStream_t s, unsigned* item_counters) {
-  launch_prefill<true>("moe_gate_up_prefill_tma", w, w_packed, xs, H, nullptr, offsets, E, P, H, I, act, nullptr,
+  launch_prefill<true>("moe_gate_up_prefill_tma", w, w_packed, xs, H, offsets, E, P, H, I, act, nullptr,
                        item_counters, s);
-}
-
-void moe_gate_up_prefill_tma_gathered(const TmaMap& w, const bf16* w_packed, const bf16* x, const int32_t* row_token,
-                                      const int32_t* offsets, int E, int P, int H, int I, bf16* act, cudaStream_t s,
-                                      unsigned* item_counters) {
-  launch_prefill<true>("moe_gate_up_prefill_tma_gathered", w, w_packed, x, H, row_token, offsets, E, P, H, I, act,
-                       nullptr, item_counters, s);
 }
 
 void moe_down_prefill_tma(const TmaMap& w, const bf16* w_packed, const bf16* act, const int32_t* offsets, int E,
                           int P, int H, int I, ExpertRows y, cudaStream_t s, unsigned* item_counters) {
-  launch_prefill<false>("moe_down_prefill_tma", w, w_packed, act, I, nullptr, offsets, E, P, H, I, nullptr, y,
-                        item_counters, s);
+  launch_prefill<false>("moe_down_prefill_tma", w, w_packed, act, I, offsets, E, P, H, I, nullptr, y, item_counters,
+                        s);
 }
 
 }  // namespace dg::cuda

@@ -244,9 +244,8 @@ __global__ void moe_assign_k(const int32_t* idx_global, int T, int k, int E, int
     } else {
       slot = atomicAdd(&cnt[e], 1);
     }
-    const int row = slot < M ? e * M + slot : ovf[e] + slot - M;
-    sorted_pos[i] = row;
-    if (slot_token && (M == 0 || slot < M)) slot_token[row] = t;
+    sorted_pos[i] = slot < M ? e * M + slot : ovf[e] + slot - M;
+    if (slot_token && slot < M) slot_token[e * M + slot] = t;
   }
 }
 
@@ -740,7 +739,7 @@ void moe_assign_padded(const int32_t* idx, int T, int k, int E, int M, int32_t* 
     throw_cuda_error("moe_assign_padded", "threads must be a multiple of 32 in [32, 1024]", 0, __FILE__, __LINE__);
   const AssignLayout al = assign_layout(T, k, E);
   launch_pdl(moe_assign_k, dim3(1), dim3(unsigned(threads)), al.bytes, s, idx, T, k, E, M, ovf_offsets, sorted_pos,
-             M > 0 ? meta : nullptr, slot_token, al.ordered, al.staged, heavy_rows, heavy_experts);
+             M > 0 ? meta : nullptr, M > 0 ? slot_token : nullptr, al.ordered, al.staged, heavy_rows, heavy_experts);
   CUDA_CHECK_LAUNCH();
 }
 
