@@ -469,14 +469,14 @@ int run_bench_kernels(const BenchKernelsArgs& args) {
               cuda::moe_gate_up_prefill_tma(gu_map, wgu_packed, xsp, off, E, Tp * K, H, Ie, actp, st, tiles);
             });
       }
+      // the same weights (packed where the engine packs them) with and without the item counter
       add("moe_down_prefill_tma (prefill, wgmma), static items", gp, dn_bytes + double(Tp) * K * (Ie * 2 + H * 4),
           2.0 * Tp * K * H * Ie, [=](cudaStream_t st) {
-            cuda::moe_down_prefill_tma(dn_map, nullptr, actp, off, E, Tp * K, H, Ie, yp, st);
+            cuda::moe_down_prefill_tma(dn_map, wdn_packed, actp, off, E, Tp * K, H, Ie, yp, st);
           });
       add("moe_down_prefill_tma (prefill, wgmma), item counter (engine)", gp,
           dn_bytes + double(Tp) * K * (Ie * 2 + H * 4), 2.0 * Tp * K * H * Ie, [=](cudaStream_t st) {
-            cuda::moe_down_prefill_tma(dn_map, wdn_packed, actp, off, E, Tp * K, H, Ie, yp, st,
-                                       tiles);
+            cuda::moe_down_prefill_tma(dn_map, wdn_packed, actp, off, E, Tp * K, H, Ie, yp, st, tiles);
           });
     }
   }

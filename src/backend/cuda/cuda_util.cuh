@@ -6,6 +6,23 @@
 
 namespace dg::cuda {
 
+// Work claimed from a counter by persistent blocks (the TMA expert kernels' tiles, the prefill expert kernels' items):
+// ctr = two unsigneds, zero at launch, left zero at exit. A block's first unit is its block index; each later one
+// comes from claim_after_first_round. Once a block has made its last claim, finish_claims counts it done, and the last
+// block to do so zeroes both words for the next launch (returning true only there).
+__device__ __forceinline__ int claim_after_first_round(unsigned* ctr) {
+  return int(atomicAdd(ctr, 1u)) + int(gridDim.x);
+}
+__device__ __forceinline__ bool finish_claims(unsigned* ctr) {
+  __threadfence();
+  const bool last = atomicAdd(ctr + 1, 1u) == gridDim.x - 1;
+  if (last) {
+    atomicExch(ctr, 0u);
+    atomicExch(ctr + 1, 0u);
+  }
+  return last;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

@@ -1,8 +1,9 @@
 #pragma once
 // Hopper (sm_90a) PTX wrappers shared by the TMA expert kernels (kernels_experts_tma.cu) and their microbenches
 // (tools/gpu/microbench/experts_wgmma_bench.cu, stream_bench.cu): shared-memory mbarriers and a trapping wait on
-// them, 2D TMA loads and 1D bulk copies into shared memory, the wgmma descriptor of a 128-byte-swizzled K-major tile, wgmma m64nNk16 for
-// N = 32 / 64 / 128 / 256, and the cluster pieces of kernels_dense_tma.cu (multicast loads, remote arrives).
+// them, 2D TMA loads and 1D bulk copies into shared memory, the wgmma descriptor of a 128-byte-swizzled K-major tile,
+// wgmma m64nNk16 for N = 32 / 64 / 128 / 256, and the cluster pieces of kernels_dense_tma.cu (multicast loads, remote
+// arrives).
 // Spellings as in CUTLASS's cute/arch.
 // Only code compiled for sm_90a may call them: the device passes of other architectures do not see them.
 #include <cuda.h>

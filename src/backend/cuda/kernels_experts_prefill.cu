@@ -124,11 +124,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint64_t policy;  // weights and token rows are both re-read (by the other token tiles / weight tiles) from L2
     asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
     uint32_t it = 0;
-    auto next_item = [&](int item) {
-      return item_ctr ? int(atomicAdd(item_ctr, 1u)) + int(gridDim.x) : item + int(gridDim.x);
-    };
-    int item = int(blockIdx.x);
-    for (; item < n_items; item = next_item(item)) {
+    for (int item = int(blockIdx.x); item < n_items;
+         item = item_ctr ? claim_after_first_round(item_ctr) : item + int(gridDim.x)) {
       const ExpertPrefillItem m = decode(item);
       const bool second = m.rows > kTokWG;  // warpgroup 1 has rows: its token box too
       const int row_a = GATED ? m.e * 2 * I + m.nt * 64 : m.e * H + m.nt * 128;
@@ -155,24 +152,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_wait(empty0 + 8 * s, ((it / kStages) & 1u) ^ 1u);
     st_shared_s32(item0 + 4 * s, -1);
     mbar_arrive(full0 + 8 * s);
-    if (item_ctr) {  // every claim of this block is made; the last block to finish claiming resets the counters
-      __threadfence();
-      if (atomicAdd(item_ctr + 1, 1u) == gridDim.x - 1) {
-        atomicExch(item_ctr, 0u);
-        atomicExch(item_ctr + 1, 0u);
-      }
-    }
+    if (item_ctr) finish_claims(item_ctr);
     return;
   }
 
   const int wg = warp >> 2, wl = warp & 3;
   uint32_t it = 0;
   for (;;) {
-    {
-      const int s = int(it % kStages);
-      mbar_wait(full0 + 8 * s, (it / kStages) & 1u);  // the stage stays full until this warpgroup hands it back
-    }
-    const int item = ld_shared_s32(item0 + 4 * int(it % kStages));
+    const int s0 = int(it % kStages);  // the item's first stage: full until this warpgroup hands it back
+    mbar_wait(full0 + 8 * s0, (it / kStages) & 1u);
+    const int item = ld_shared_s32(item0 + 4 * s0);
     if (item < 0) break;
     const ExpertPrefillItem m = decode(item);
     const int mine = min(max(m.rows - wg * kTokWG, 0), kTokWG);  // this warpgroup's token rows

@@ -313,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto next_tile = [&](int tile) {
       if (!tile_ctr) return tile + int(gridDim.x);
       int t = 0;
-      if (leader) t = int(atomicAdd(tile_ctr, 1u)) + int(gridDim.x);
+      if (leader) t = claim_after_first_round(tile_ctr);
       return __shfl_sync(0xffffffffu, t, 0);
     };
     // What the producer needs of a tile before its first stage: its expert, its rows and this lane's source row,
@@ -453,15 +453,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncwarp();
     mbar_arrive(full0 + 8 * s);
-    bool last = false;  // the last block to run out of tiles
-    if (tile_ctr && leader) {  // every fetch of this block is done; the last block resets the counters
-      __threadfence();
-      last = atomicAdd(tile_ctr + 1, 1u) == gridDim.x - 1;
-      if (last) {
-        atomicExch(tile_ctr, 0u);
-        atomicExch(tile_ctr + 1, 0u);
-      }
-    }
+    // every fetch of this block is done; the last block to run out of tiles resets the counters
+    const bool last = tile_ctr && leader && finish_claims(tile_ctr);
     if constexpr (FUSED) {
       // The last block also zeroes expert_done. Every count has its final value by now: each expert with rows has
       // down tiles, whose producers (all finished before this block's count above) waited for all its gate_up
