@@ -1,5 +1,7 @@
 #include "cli/backend_select.h"
 
+#include <CLI/CLI.hpp>
+
 #include <cstdio>
 #include <memory>
 #include <mutex>
@@ -26,6 +28,13 @@ std::string resolve_backend(const std::string& requested) {
   if (requested == "cuda") fail("--backend cuda: this binary was built without CUDA (configure with nvcc present)");
 #endif
   return "cpu";
+}
+
+void add_backend_options(CLI::App& sub, BackendArgs& args) {
+  sub.add_option("--backend", args.backend, "cpu, cuda or auto (cuda when a GPU is present)");
+  sub.add_flag("--sc-sparse", args.sc_sparse,
+               "CUDA: approximate self-conditioning over each row's survivor tokens (p >= e^-10 p_max), exact "
+               "fallback per step when a row has too many or drops > 1e-3 mass");
 }
 
 BackendFactory make_backend_factory(const std::string& requested, const LoadedModel& model, int cpu_threads,

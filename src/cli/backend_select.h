@@ -6,11 +6,22 @@
 #include <string>
 
 #include "backend/backend.h"
+
+namespace CLI {
+class App;
+}
 #include "model/weights.h"
 
 namespace dg::cli {
 
 using BackendFactory = std::function<std::unique_ptr<Backend>()>;
+
+// What a model-running command's user picks: --backend and --sc-sparse (the commands that run generation).
+struct BackendArgs {
+  std::string backend = "auto";
+  bool sc_sparse = false;
+};
+void add_backend_options(CLI::App& sub, BackendArgs& args);
 
 // Returns "cpu" or "cuda"; throws dg::Error for an unknown name or an unavailable cuda.
 std::string resolve_backend(const std::string& requested);

@@ -28,8 +28,7 @@ struct ChatArgs {
   int max_steps = 0;  // 0: the model's generation_config
   uint64_t seed = 0;
   int threads = 0;
-  std::string backend = "auto";
-  bool sc_sparse = false;
+  BackendArgs engine;
   bool thinking = false;
   bool no_live = false;
 };
@@ -72,7 +71,7 @@ int run_chat(const ChatArgs& a) {
   auto tok = a.tokenizer_path.empty() ? text::Tokenizer::from_model_dir(a.model_dir)
                                       : text::Tokenizer::from_file(a.tokenizer_path);
   const LoadedModel* m = model.get();
-  session::SessionPool pool(make_backend_factory(a.backend, *m, a.threads, a.sc_sparse), 1,
+  session::SessionPool pool(make_backend_factory(a.engine.backend, *m, a.threads, a.engine.sc_sparse), 1,
                             [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); });
   const bool live = !a.no_live && isatty(STDOUT_FILENO);
   std::string system = a.system;
@@ -225,10 +224,7 @@ const CommandRegistrar kRegistrar{
       sub.add_option("-m,--model", a->model_dir, "Model directory (HF snapshot)")->required();
       sub.add_option("--tokenizer", a->tokenizer_path, "tokenizer.json(.xz) when the model directory has none");
       sub.add_option("--system", a->system, "System prompt");
-      sub.add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)");
-      sub.add_flag("--sc-sparse", a->sc_sparse,
-                   "CUDA: approximate self-conditioning over each row's survivor tokens (p >= e^-10 p_max), exact "
-                   "fallback per step when a row has too many or drops > 1e-3 mass");
+      add_backend_options(sub, a->engine);
       sub.add_option("--max-tokens", a->max_tokens, "Longest reply in tokens");
       sub.add_option("--max-steps", a->max_steps, "Denoising steps per block (default: generation_config)");
       sub.add_option("--seed", a->seed, "Seed of the first turn (each turn adds 1)");

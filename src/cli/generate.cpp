@@ -19,10 +19,11 @@ namespace dg::cli {
 namespace {
 
 struct GenerateArgs {
-  std::string model_dir, prompt, prompt_ids, sampler = "seed", stop_ids, backend = "auto", system;
+  std::string model_dir, prompt, prompt_ids, sampler = "seed", stop_ids, system;
   uint64_t seed = 0;
   int threads = 0;
-  bool raw = false, thinking = false, sc_sparse = false;
+  bool raw = false, thinking = false;
+  BackendArgs engine;
   bool json = false, hf_exact = false, no_first_step_sc = false, no_pad_gate = false, freeze = false, trace = false;
   // Knobs that override generation_config.json / the seed defaults only when given.
   int max_new_tokens = 0, max_steps = 0, stability_threshold = 0, plateau_steps = 0, entropy_stop_min_steps = 0,
@@ -77,7 +78,7 @@ int run_generate(const GenerateArgs& a) {
     prompt = parse_id_list(a.prompt_ids, "--prompt-ids");
   }
 
-  auto backend = make_backend_factory(a.backend, *model, a.threads, a.sc_sparse)();
+  auto backend = make_backend_factory(a.engine.backend, *model, a.threads, a.engine.sc_sparse)();
   diffusion::Observers obs;
   if (a.trace)
     obs.on_step = [](const diffusion::StepEvent& e) {
@@ -149,10 +150,7 @@ CommandRegistrar reg(
       sub.add_flag("--raw", a->raw, "Tokenize --prompt as is (with <bos>), without the chat template");
       sub.add_option("--system", a->system, "System message for the chat template");
       sub.add_flag("--thinking", a->thinking, "Render the chat template with enable_thinking");
-      sub.add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)");
-      sub.add_flag("--sc-sparse", a->sc_sparse,
-                   "CUDA: approximate self-conditioning over each row's survivor tokens (p >= e^-10 p_max), exact "
-                   "fallback per step when a row has too many or drops > 1e-3 mass");
+      add_backend_options(sub, a->engine);
       sub.add_option("--prompt-ids", a->prompt_ids, "Comma-separated prompt token ids, e.g. 2,105,2364");
       sub.add_option("--seed", a->seed, "Seed of the canvas/renoise stream (same seed, same output)");
       sub.add_option("--sampler", a->sampler, "seed: argmax denoiser (default); hf: categorical draws as HF");

@@ -18,8 +18,7 @@ struct ServeArgs {
   std::string host = "127.0.0.1";
   int port = 8080;
   std::string api_key;
-  std::string backend = "auto";
-  bool sc_sparse = false;
+  BackendArgs engine;
   int queue_limit = 64;
   size_t max_body = 8u << 20;
   int slots = 4;
@@ -44,7 +43,7 @@ int run_serve(const ServeArgs& a) {
   o.api_key = a.api_key;
   o.max_body = a.max_body;
   o.queue_limit = a.queue_limit;
-  const std::string backend = resolve_backend(a.backend);
+  const std::string backend = resolve_backend(a.engine.backend);
   // Each session slot owns a backend (its KV cache and scratch); CUDA slots share one copy of the weights.
   o.slots = a.slots;
   o.model_id = a.model_id;
@@ -62,7 +61,7 @@ int run_serve(const ServeArgs& a) {
   std::signal(SIGPIPE, SIG_IGN);  // a client closing mid-stream must fail the write, not kill the process
 
   server::Server server(*model, std::move(tokenizer),
-                        make_backend_factory(backend, *model, a.threads, a.sc_sparse, a.max_context), o);
+                        make_backend_factory(backend, *model, a.threads, a.engine.sc_sparse, a.max_context), o);
   const int port = server.bind();
   // The line tests and scripts wait for: the port is known and bound.
   std::printf("diffgemma serve: model '%s' on http://%s:%d (queue limit %d, %d session slots)\n",
@@ -89,10 +88,7 @@ const CommandRegistrar kRegistrar{
       sub.add_option("--host", a->host, "Address to bind (default 127.0.0.1: local only)");
       sub.add_option("--port", a->port, "Port (0: any free port, printed at startup)");
       sub.add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' on /v1/*");
-      sub.add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)");
-      sub.add_flag("--sc-sparse", a->sc_sparse,
-                   "CUDA: approximate self-conditioning over each row's survivor tokens (p >= e^-10 p_max), exact "
-                   "fallback per step when a row has too many or drops > 1e-3 mass");
+      add_backend_options(sub, a->engine);
       sub.add_option("--queue-limit", a->queue_limit, "Requests that may wait for the engine; beyond it 503");
       sub.add_option("--max-body", a->max_body, "Largest request body in bytes; beyond it 413");
       sub.add_option("--sessions", a->slots, "Conversations whose KV cache is kept for reuse");
