@@ -29,11 +29,10 @@
 #include "util/error.h"
 #include "util/mmap_file.h"
 #include "cuda_test_options.h"
+#include "tiny_fixtures.h"
 
 namespace dg {
 namespace {
-
-const char* kFixtures[] = {"tiny-a", "tiny-b", "tiny-v", "tiny-g"};
 
 void expect_logits_close(const DenoiseResult& got, const DenoiseResult& want, int L, int V, const std::string& what) {
   ASSERT_EQ(got.logits.size(), want.logits.size()) << what;
@@ -571,13 +570,7 @@ TEST(CudaParity, WholeStepGraphMatchesLayerGraph) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, CudaParity, ::testing::ValuesIn(kFixtures),
-                         [](const auto& info) {
-                           std::string name(info.param);  // "tiny-a" -> "tiny_a": test names take no '-'
-                           for (char& ch : name)
-                             if (ch == '-') ch = '_';
-                           return name;
-                         });
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaParity, ::testing::ValuesIn(kTinyFixtures), tiny_fixture_test_name);
 
 }  // namespace
 }  // namespace dg

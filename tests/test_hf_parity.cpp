@@ -10,11 +10,10 @@
 #include "model/weights.h"
 #include "util/error.h"
 #include "util/mmap_file.h"
+#include "tiny_fixtures.h"
 
 namespace dg {
 namespace {
-
-const char* kFixtures[] = {"tiny-a", "tiny-b", "tiny-v", "tiny-g"};
 
 struct Reference {
   std::unique_ptr<SafetensorsFile> file;
@@ -137,13 +136,7 @@ TEST_P(HfParity, PrefillDenoiseSelfConditionCommit) {
   expect_logits_match(ref, "logits.commit", after.logits, L, V);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity, ::testing::ValuesIn(kFixtures),
-                         [](const auto& info) {
-                           std::string name(info.param);  // "tiny-a" -> "tiny_a": test names take no '-'
-                           for (char& ch : name)
-                             if (ch == '-') ch = '_';
-                           return name;
-                         });
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity, ::testing::ValuesIn(kTinyFixtures), tiny_fixture_test_name);
 
 }  // namespace
 }  // namespace dg
