@@ -11,6 +11,8 @@ HF's random init, attn_implementation "sdpa", the HF default experts implementat
   * eager denoise step: one decoder forward on a 256-token canvas WITH self-conditioning logits (bf16 [1, 256, V], as
     generate passes them from the 2nd step on) over an encoder cache of kv = 512, 4096 and 32768 tokens (32768 is
     skipped with a note when it runs out of memory). The sampler (softmax/entropy/multinomial) is not included here.
+    With it, the GPU's busy time in one such step (the union of its GPU activity intervals, torch.profiler): the rest
+    of the step is the GPU waiting for the host's launches, which is why the eager step varies between hosts.
   * eager prefill of 4096 tokens (one encoder call into a fresh DynamicCache): ms and tokens/s.
   * eager generate (DynamicCache): 4096-token prompt + 256 new tokens at exactly 16 denoising steps.
   * static cache + torch.compile (generate(cache_implementation="static") compiles the decoder, sampler and stopping
@@ -92,6 +94,38 @@ def time_ms(fn, warmup, repeats):
     return statistics.median(samples), [round(s, 2) for s in samples]
 
 
+def gpu_busy_ms(fn, repeats=3):
+    """Per call of fn: the union of its GPU activity intervals (kernels, memcpy, memset) from torch.profiler, in ms.
+
+    Set against the CUDA-event time, this says how much of an eager step the GPU works and how much it waits for the
+    host to launch the next kernel (HF's eager step swings 70-150 ms between hosts with the GPU work unchanged).
+    Returns None with a log line if the profiler is unavailable, so the timing itself never depends on it."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                fn()
+            torch.cuda.synchronize()
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start)
+        busy_us, cur_start, cur_end = 0.0, None, None
+        for start, end in spans:
+            if cur_end is None or start > cur_end:
+                if cur_end is not None:
+                    busy_us += cur_end - cur_start
+                cur_start, cur_end = start, end
+            else:
+                cur_end = max(cur_end, end)
+        if cur_end is not None:
+            busy_us += cur_end - cur_start
+        return round(busy_us / 1e3 / repeats, 2) if spans else None
+    except Exception as e:  # noqa: BLE001 - a diagnostic only
+        log("NOTE: GPU busy time not measured:", repr(e)[:200])
+        return None
+
+
 def prefill(model, ids, chunk):
     """Encoder pass over ids into a fresh DynamicCache, `chunk` tokens per call (positions given explicitly)."""
     cache = DynamicCache(config=model.config.text_config)
@@ -119,11 +153,12 @@ def step_ms(model, kv, args, gen):
                   decoder_position_ids=pos)
 
     med, samples = time_ms(step, args.warmup, args.repeats)
+    busy = gpu_busy_ms(step)
     # the decoder must read the cache without appending to it, or later steps would time a longer context
     assert cache.get_seq_length() == kv, f"decoder changed the cache length: {cache.get_seq_length()} != {kv}"
     del cache, sc
     torch.cuda.empty_cache()
-    return med, samples
+    return med, samples, busy
 
 
 GEN_KW = dict(max_new_tokens=L, t_min=0.4, t_max=0.8, stability_threshold=1, confidence_threshold=1e-9,
@@ -193,11 +228,11 @@ def main():
                 json.dump(res, f, indent=1)
 
     # --- eager denoise steps ---
-    eager["step_ms"], eager["step_samples_ms"] = {}, {}
+    eager["step_ms"], eager["step_samples_ms"], eager["step_gpu_busy_ms"] = {}, {}, {}
     kvs = [4096] if args.quick else [512, 4096] + ([] if args.skip_32k else [32768])
     for kv in kvs:
         try:
-            med, samples = step_ms(model, kv, args, gen)
+            med, samples, busy = step_ms(model, kv, args, gen)
         except torch.cuda.OutOfMemoryError as e:
             torch.cuda.empty_cache()
             note = f"kv {kv} step skipped: out of memory ({str(e).splitlines()[0][:160]})"
@@ -206,7 +241,8 @@ def main():
             eager["step_ms"][str(kv)] = None
             continue
         eager["step_ms"][str(kv)], eager["step_samples_ms"][str(kv)] = round(med, 2), samples
-        log(f"eager denoise step kv {kv}: {med:.1f} ms  {samples}")
+        eager["step_gpu_busy_ms"][str(kv)] = busy
+        log(f"eager denoise step kv {kv}: {med:.1f} ms  {samples}; GPU busy {busy} ms of it")
         save()
 
     if not args.quick:
@@ -243,6 +279,7 @@ def main():
             save()
 
     rows = [(f"eager denoise step, kv {kv} (ms)", eager["step_ms"][str(kv)]) for kv in kvs]
+    rows += [(f"eager denoise step, kv {kv}: GPU busy (ms)", eager["step_gpu_busy_ms"].get(str(kv))) for kv in kvs]
     if not args.quick:
         rows += [("eager prefill 4096 (ms)", eager["prefill_4k_ms"]),
                  ("eager prefill 4096 (tok/s)", eager["prefill_4k_tok_s"]),
