@@ -36,8 +36,10 @@ def judge(bench, hf, rcs):
     if ms is None or not eager:
         add(f"x{EAGER_RATIO_MIN:g} HF eager", None, f"HF eager step {eager}")
     else:
+        busy = ((((hf or {}).get("eager") or {}).get("step_gpu_busy_ms")) or {}).get("4096")
         add(f"x{EAGER_RATIO_MIN:g} HF eager", eager / ms >= EAGER_RATIO_MIN,
-            f"HF eager {eager:.2f} ms / {ms:.2f} = {eager / ms:.2f}x")
+            f"HF eager {eager:.2f} ms / {ms:.2f} = {eager / ms:.2f}x (needs HF eager >= {EAGER_RATIO_MIN * ms:.1f} ms"
+            + ("" if busy is None else f"; its GPU busy {busy:.1f} ms of the {eager:.1f}") + ")")
     compiled = ((hf or {}).get("compiled") or {}).get("ms_per_step")
     if ms is None or not compiled:
         add(f"x{COMPILED_RATIO_MIN:g} HF compiled", None, f"HF compiled ms/step {compiled}")
@@ -83,6 +85,9 @@ def self_test():
     slow_hf = dict(hf, eager={"step_ms": {"4096": 80.0}})
     rows = dict((r[0], r[1]) for r in judge(bench, slow_hf, rcs))
     assert rows["x6 HF eager"] == "FAIL", rows  # 80 / 14.8 = 5.4
+    busy_hf = dict(hf, eager={"step_ms": {"4096": 96.0}, "step_gpu_busy_ms": {"4096": 41.5}})
+    detail = [r[2] for r in judge(bench, busy_hf, rcs) if r[0] == "x6 HF eager"][0]
+    assert "needs HF eager >= 88.8 ms" in detail and "GPU busy 41.5 ms" in detail, detail
     rows = dict((r[0], r[1]) for r in judge(bench, None, [("full shape vs HF", "0 (fixture script rc 1)")]))
     assert rows["x6 HF eager"] == "MISSING" and rows["full shape vs HF"] == "FAIL", rows
     rows = dict((r[0], r[1]) for r in judge(dict(bench, device="NVIDIA H100 80GB HBM3"), hf, [("parity", "skipped")]))
