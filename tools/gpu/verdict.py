@@ -32,11 +32,12 @@ def judge(bench, hf, rcs):
     ms = step.get("step_ms")
     add(f"4K step <= {STEP_MS_MAX} ms", None if ms is None else ms <= STEP_MS_MAX,
         "no 4K step in bench.json" if ms is None else f"median {ms:.2f} ms (min {step.get('step_ms_min', 0):.2f})")
-    eager = (((hf or {}).get("eager") or {}).get("step_ms") or {}).get("4096")
+    hf_eager = (hf or {}).get("eager") or {}
+    eager = (hf_eager.get("step_ms") or {}).get("4096")
     if ms is None or not eager:
         add(f"x{EAGER_RATIO_MIN:g} HF eager", None, f"HF eager step {eager}")
     else:
-        busy = ((((hf or {}).get("eager") or {}).get("step_gpu_busy_ms")) or {}).get("4096")
+        busy = (hf_eager.get("step_gpu_busy_ms") or {}).get("4096")
         add(f"x{EAGER_RATIO_MIN:g} HF eager", eager / ms >= EAGER_RATIO_MIN,
             f"HF eager {eager:.2f} ms / {ms:.2f} = {eager / ms:.2f}x (needs HF eager >= {EAGER_RATIO_MIN * ms:.1f} ms"
             + ("" if busy is None else f"; its GPU busy {busy:.1f} ms of the {eager:.1f}") + ")")

@@ -102,24 +102,17 @@ def gpu_busy_ms(fn, repeats=3):
     Returns None with a log line if the profiler is unavailable, so the timing itself never depends on it."""
     try:
         from torch.profiler import ProfilerActivity, profile
-        fn()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # fn is already warm: step_ms times it first
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(repeats):
                 fn()
             torch.cuda.synchronize()
         spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                        if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start)
-        busy_us, cur_start, cur_end = 0.0, None, None
-        for start, end in spans:
-            if cur_end is None or start > cur_end:
-                if cur_end is not None:
-                    busy_us += cur_end - cur_start
-                cur_start, cur_end = start, end
-            else:
-                cur_end = max(cur_end, end)
-        if cur_end is not None:
-            busy_us += cur_end - cur_start
+        busy_us, covered_until = 0.0, float("-inf")
+        for start, end in spans:  # sorted by start: each span adds only what lies past the spans before it
+            busy_us += max(0.0, end - max(start, covered_until))
+            covered_until = max(covered_until, end)
         return round(busy_us / 1e3 / repeats, 2) if spans else None
     except Exception as e:  # noqa: BLE001 - a diagnostic only
         log("NOTE: GPU busy time not measured:", repr(e)[:200])
