@@ -16,19 +16,24 @@ mkdir -p "$OUT"
 if [ -n "${HF_PROBE_MIN_MS:-}" ]; then
   HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout 200 python3 tools/reference/bench_hf.py --quick \
     --json "$OUT/hf_probe.json" >"$OUT/hf_probe.log" 2>&1
-  probe_ms=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["eager"]["step_ms"]["4096"])' \
-    "$OUT/hf_probe.json" 2>/dev/null)
   nvidia-smi --query-gpu=name,pci.bus_id,driver_version --format=csv,noheader | sed 's/^/[probe] gpu: /'
-  echo "[probe] $(date -u +%FT%TZ) HF eager step at kv 4096: ${probe_ms:-none} ms (the full call runs if >= $HF_PROBE_MIN_MS)"
   grep -E 'GPU busy|eager denoise' "$OUT/hf_probe.log" | sed 's/^/[probe] /'
-  if [ -z "$probe_ms" ]; then
-    echo "[probe] no HF number: the tail of its log:"; tail -15 "$OUT/hf_probe.log"
-    exit 3
-  fi
-  if ! python3 -c 'import sys; sys.exit(float(sys.argv[1]) < float(sys.argv[2]))' "$probe_ms" "$HF_PROBE_MIN_MS"; then
-    echo "[probe] under $HF_PROBE_MIN_MS ms: the full acceptance call is skipped on this host"
-    exit 3
-  fi
+  # Exits 2 when the probe has no number, 1 when it is under the minimum: either way no full call (exit 3).
+  python3 - "$OUT/hf_probe.json" "$HF_PROBE_MIN_MS" <<'PY'
+import datetime, json, sys
+try:
+    ms = float(json.load(open(sys.argv[1]))["eager"]["step_ms"]["4096"])
+except Exception:
+    print("[probe] no HF number: the tail of its log:")
+    sys.exit(2)
+now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+print(f"[probe] {now} HF eager step at kv 4096: {ms} ms (the full call runs if >= {sys.argv[2]})")
+if ms < float(sys.argv[2]):
+    sys.exit(f"[probe] under {sys.argv[2]} ms: the full acceptance call is skipped on this host")
+PY
+  probe_rc=$?
+  [ "$probe_rc" = 2 ] && tail -15 "$OUT/hf_probe.log"
+  [ "$probe_rc" = 0 ] || exit 3
 fi
 FULLSHAPE=1 HF=1 HF_TIMEOUT=${HF_TIMEOUT:-260} KERNEL_BENCH=0 \
   BENCH_ARGS="--contexts 512,4096 --prefill 4096 --fixed-steps 16" bash tools/gpu/run_all.sh >"$OUT/run_all.txt" 2>&1
